@@ -1,0 +1,481 @@
+"""PPO for gymnax environments: the whole training run is one compiled JAX program.
+
+    python purejaxrl_ppo.py --env CartPole
+    python purejaxrl_ppo.py --env Breakout --num-seeds 4   # MinAtar Breakout (gymnax), not ALE
+
+Read top to bottom: Config and presets, the network and its action distributions, the two
+targets-and-loss functions (GAE and the clipped PPO loss), then `make_train`, whose `_update_step`
+is one PPO iteration: rollout -> GAE -> epochs x shuffled minibatches of Adam steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from utils.cli import RunConfig, exit_on_config_error, parse_config
+from utils.devices import DEVICE_AXIS
+from utils.driver import Trainer, run_training
+from utils.envs import make_env
+from utils.errors import ConfigError
+from utils.evaluation import evaluate_policy
+
+
+@dataclasses.dataclass
+class Config(RunConfig):
+    """PPO (clipped surrogate, GAE) on gymnax environments, compiled end to end with JAX."""
+
+    env: str = "CartPole"
+    """alias (CartPole, Acrobot, MountainCar, MountainCarContinuous, Pendulum, Breakout, Asterix,
+    Freeway, SpaceInvaders, Seaquest, ...) or gymnax id; Breakout & co. are the MinAtar games of
+    gymnax, not ALE Atari. Each env family has its own preset defaults"""
+    total_timesteps: int = 500_000
+    """environment steps per seed (all devices together)"""
+    learning_rate: float = 2.5e-4
+    """Adam learning rate"""
+    anneal_lr: bool = True
+    """decay the learning rate linearly to 0, at every optimiser step"""
+    num_envs: int = 4
+    """parallel environments per seed, split across devices"""
+    num_steps: int = 128
+    """steps per environment in each rollout"""
+    gamma: float = 0.99
+    """discount factor"""
+    gae_lambda: float = 0.95
+    """lambda of generalised advantage estimation"""
+    num_minibatches: int = 4
+    """minibatches per epoch"""
+    update_epochs: int = 4
+    """epochs over each rollout"""
+    norm_adv: bool = True
+    """normalise advantages within each minibatch"""
+    clip_coef: float = 0.2
+    """surrogate clipping coefficient (also clips the value update, see clip_vloss)"""
+    clip_vloss: bool = True
+    """clip the value-function update as in the PPO paper's implementation"""
+    ent_coef: float = 0.01
+    """entropy bonus coefficient"""
+    vf_coef: float = 0.5
+    """value loss coefficient"""
+    max_grad_norm: float = 0.5
+    """global gradient-norm clipping threshold"""
+    hidden_size: int = 64
+    """units in each of the two hidden layers of the actor and of the critic"""
+    activation: Literal["tanh", "relu"] = "tanh"
+    """hidden activation"""
+
+
+# Defaults per env family; any flag overrides them. "classic" is PureJaxRL's CartPole setting.
+PRESETS = {
+    "classic": {},
+    "minatar": dict(
+        total_timesteps=10_000_000,
+        learning_rate=5e-4,
+        num_envs=64,
+        num_steps=128,
+        num_minibatches=8,
+        activation="relu",
+    ),
+    "continuous": dict(
+        total_timesteps=1_000_000,
+        learning_rate=1e-3,
+        num_envs=16,
+        num_steps=128,
+        num_minibatches=8,
+        update_epochs=10,
+        gamma=0.95,
+        ent_coef=0.0,
+    ),
+}
+
+
+class HyperParams(NamedTuple):
+    """Hyperparameters that change no array shape. They travel in the training state as
+    arrays rather than being baked into the program as constants."""
+
+    learning_rate: jax.Array
+    gamma: jax.Array
+    gae_lambda: jax.Array
+    clip_coef: jax.Array
+    ent_coef: jax.Array
+    vf_coef: jax.Array
+    max_grad_norm: jax.Array
+
+
+# ---------------------------------------------------------------------------------------------
+# Network and action distributions
+# ---------------------------------------------------------------------------------------------
+
+
+class Categorical(NamedTuple):
+    logits: jax.Array
+
+    def sample(self, key):
+        return jax.random.categorical(key, self.logits)
+
+    def log_prob(self, action):
+        log_probs = jax.nn.log_softmax(self.logits)
+        return jnp.take_along_axis(log_probs, action[..., None], axis=-1)[..., 0]
+
+    def entropy(self):
+        log_probs = jax.nn.log_softmax(self.logits)
+        return -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
+
+    def mode(self):
+        return jnp.argmax(self.logits, axis=-1)
+
+
+class DiagGaussian(NamedTuple):
+    mean: jax.Array
+    log_std: jax.Array
+
+    def sample(self, key):
+        return self.mean + jnp.exp(self.log_std) * jax.random.normal(key, self.mean.shape)
+
+    def log_prob(self, action):
+        z = (action - self.mean) * jnp.exp(-self.log_std)
+        return jnp.sum(-0.5 * z**2 - self.log_std - 0.5 * jnp.log(2 * jnp.pi), axis=-1)
+
+    def entropy(self):
+        return jnp.sum(self.log_std + 0.5 * (1.0 + jnp.log(2 * jnp.pi)), axis=-1)
+
+    def mode(self):
+        return self.mean
+
+
+class ActorCritic(nn.Module):
+    """Separate actor and critic MLPs on the flattened observation (CleanRL's layout and
+    orthogonal initialisation). Continuous actions get a state-independent log std."""
+
+    num_actions: int
+    discrete: bool
+    hidden_size: int
+    activation: str
+
+    def setup(self):
+        def mlp(out_size, out_scale):
+            layers = []
+            for _ in range(2):
+                layers += [
+                    nn.Dense(self.hidden_size, kernel_init=nn.initializers.orthogonal(np.sqrt(2)))
+                ]
+                layers += [nn.tanh if self.activation == "tanh" else nn.relu]
+            layers += [nn.Dense(out_size, kernel_init=nn.initializers.orthogonal(out_scale))]
+            return nn.Sequential(layers)
+
+        self.actor = mlp(self.num_actions, 0.01)
+        self.critic = mlp(1, 1.0)
+        if not self.discrete:
+            self.log_std = self.param("log_std", nn.initializers.zeros, (self.num_actions,))
+
+    def __call__(self, obs):
+        return self.policy(obs), self.value(obs)
+
+    def policy(self, obs):
+        out = self.actor(obs)
+        if self.discrete:
+            return Categorical(out)
+        return DiagGaussian(out, jnp.broadcast_to(self.log_std, out.shape))
+
+    def value(self, obs):
+        return self.critic(obs)[..., 0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Targets and loss
+# ---------------------------------------------------------------------------------------------
+
+
+def compute_gae(rewards, values, next_values, terminated, dones, gamma, gae_lambda):
+    """Generalised advantage estimation over a rollout, arrays [T, N].
+
+    `next_values[t]` is the value of the state that followed step t: the next rollout state, or,
+    where the episode was truncated by a time limit, the state it was cut off in (its final
+    observation). Only `terminated` zeroes that bootstrap; any episode end (`dones`) stops the
+    advantage from flowing back across the reset. Returns (advantages, value targets).
+    """
+    deltas = rewards + gamma * next_values * (1.0 - terminated) - values
+
+    def _backward_step(next_advantage, step):
+        delta, done = step
+        advantage = delta + gamma * gae_lambda * (1.0 - done) * next_advantage
+        return advantage, advantage
+
+    _, advantages = jax.lax.scan(
+        _backward_step, jnp.zeros_like(values[0]), (deltas, dones), reverse=True
+    )
+    return advantages, advantages + values
+
+
+class LossInfo(NamedTuple):
+    policy_loss: jax.Array
+    value_loss: jax.Array
+    entropy: jax.Array
+    approx_kl: jax.Array
+    clip_frac: jax.Array
+
+
+def ppo_loss(
+    log_prob, entropy, value, old_log_prob, old_value, advantages, targets, hp, norm_adv, clip_vloss
+):
+    """Clipped-surrogate PPO loss on one minibatch (all arrays [B]); returns (loss, LossInfo)."""
+    log_ratio = log_prob - old_log_prob
+    ratio = jnp.exp(log_ratio)
+    if norm_adv:
+        advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+    policy_loss = jnp.maximum(
+        -advantages * ratio, -advantages * jnp.clip(ratio, 1.0 - hp.clip_coef, 1.0 + hp.clip_coef)
+    ).mean()
+    value_loss = (value - targets) ** 2
+    if clip_vloss:
+        value_clipped = old_value + jnp.clip(value - old_value, -hp.clip_coef, hp.clip_coef)
+        value_loss = jnp.maximum(value_loss, (value_clipped - targets) ** 2)
+    value_loss = 0.5 * value_loss.mean()
+    entropy = entropy.mean()
+    loss = policy_loss + hp.vf_coef * value_loss - hp.ent_coef * entropy
+    info = LossInfo(
+        policy_loss=policy_loss,
+        value_loss=value_loss,
+        entropy=entropy,
+        # k3 estimator of KL(old || new) and share of clipped ratios: diagnostics only
+        approx_kl=((ratio - 1.0) - log_ratio).mean(),
+        clip_frac=(jnp.abs(ratio - 1.0) > hp.clip_coef).mean(),
+    )
+    return loss, info
+
+
+# ---------------------------------------------------------------------------------------------
+# Training
+# ---------------------------------------------------------------------------------------------
+
+
+class Transition(NamedTuple):
+    obs: jax.Array
+    action: jax.Array
+    log_prob: jax.Array
+    value: jax.Array
+    reward: jax.Array
+    terminated: jax.Array
+    truncated: jax.Array
+    final_obs: jax.Array  # observation the step ended in, before any automatic reset
+    episode_return: jax.Array  # return of the episode that ended here (where done)
+    episode_length: jax.Array
+
+
+class RunnerState(NamedTuple):
+    params: dict
+    opt_state: optax.OptState
+    hparams: HyperParams
+    env_state: object
+    obs: jax.Array
+    key: jax.Array
+
+
+def make_train(config: Config) -> Trainer:
+    """Check the config and build the pure training functions (nothing is compiled here)."""
+    env, env_params, spec = make_env(config.env)
+    for name in (
+        "total_timesteps",
+        "num_envs",
+        "num_steps",
+        "num_minibatches",
+        "update_epochs",
+        "hidden_size",
+    ):
+        if getattr(config, name) < 1:
+            raise ConfigError(
+                f"--{name.replace('_', '-')} must be >= 1, got {getattr(config, name)}"
+            )
+    if config.num_envs % config.num_devices:
+        raise ConfigError(
+            f"--num-envs {config.num_envs} is not divisible by the {config.num_devices} devices"
+        )
+    envs_per_device = config.num_envs // config.num_devices
+    batch_size = envs_per_device * config.num_steps  # per device
+    if batch_size % config.num_minibatches:
+        raise ConfigError(
+            f"the rollout batch per device ({envs_per_device} envs x {config.num_steps} steps = "
+            f"{batch_size}) is not divisible by --num-minibatches {config.num_minibatches}"
+        )
+    steps_per_update = config.num_envs * config.num_steps
+    num_updates = config.total_timesteps // steps_per_update
+    if num_updates < 1:
+        raise ConfigError(
+            f"--total-timesteps {config.total_timesteps} is less than one update "
+            f"(--num-envs x --num-steps = {steps_per_update})"
+        )
+    minibatch_size = batch_size // config.num_minibatches
+    num_optimizer_steps = num_updates * config.update_epochs * config.num_minibatches
+
+    network = ActorCritic(spec.num_actions, spec.discrete, config.hidden_size, config.activation)
+
+    def flat(obs):  # MinAtar images and vectors alike go to the MLP as flat vectors
+        return obs.reshape(*obs.shape[: obs.ndim - len(spec.obs_shape)], -1)
+
+    def to_env_action(action):
+        return action if spec.discrete else jnp.clip(action, spec.action_low, spec.action_high)
+
+    def make_optimizer(hp: HyperParams):
+        learning_rate = hp.learning_rate
+        if config.anneal_lr:  # optax counts optimiser steps, so this decays at every step
+
+            def learning_rate(count):
+                return hp.learning_rate * (1.0 - count / num_optimizer_steps)
+
+        return optax.chain(
+            optax.clip_by_global_norm(hp.max_grad_norm), optax.adam(learning_rate, eps=1e-5)
+        )
+
+    def init(key) -> RunnerState:
+        hp = HyperParams(*(jnp.float32(getattr(config, f)) for f in HyperParams._fields))
+        init_key, env_key = jax.random.split(key)
+        # Same parameters on every device; environments and sampling differ per device.
+        env_key = jax.random.fold_in(env_key, jax.lax.axis_index(DEVICE_AXIS))
+        reset_key, run_key = jax.random.split(env_key)
+        obs, env_state = jax.vmap(env.reset, in_axes=(0, None))(
+            jax.random.split(reset_key, envs_per_device), env_params
+        )
+        params = network.init(init_key, flat(obs))
+        opt_state = make_optimizer(hp).init(params)
+        return RunnerState(params, opt_state, hp, env_state, obs, run_key)
+
+    def _update_step(runner_state: RunnerState, _):
+        hp = runner_state.hparams
+        optimizer = make_optimizer(hp)
+
+        # 1. Rollout: num_steps steps of every environment with the current policy.
+        def _env_step(runner_state: RunnerState, _):
+            key, action_key, step_key = jax.random.split(runner_state.key, 3)
+            pi, value = network.apply(runner_state.params, flat(runner_state.obs))
+            action = pi.sample(action_key)
+            obs, env_state, reward, terminated, truncated, info = jax.vmap(
+                env.step, in_axes=(0, 0, 0, None)
+            )(
+                jax.random.split(step_key, envs_per_device),
+                runner_state.env_state,
+                to_env_action(action),
+                env_params,
+            )
+            transition = Transition(
+                runner_state.obs,
+                action,
+                pi.log_prob(action),
+                value,
+                reward,
+                terminated.astype(jnp.float32),
+                truncated.astype(jnp.float32),
+                info["final_observation"],
+                info["episode_return"],
+                info["episode_length"],
+            )
+            return runner_state._replace(env_state=env_state, obs=obs, key=key), transition
+
+        runner_state, traj = jax.lax.scan(_env_step, runner_state, None, config.num_steps)
+
+        # 2. Targets. A time-limit truncation bootstraps from the value of the observation the
+        # episode was cut off in; only a real termination has no future value.
+        params = runner_state.params
+        last_value = network.apply(params, flat(runner_state.obs), method=ActorCritic.value)
+        next_values = jnp.concatenate([traj.value[1:], last_value[None]])
+        final_values = network.apply(params, flat(traj.final_obs), method=ActorCritic.value)
+        truncated_only = traj.truncated * (1.0 - traj.terminated)
+        next_values = jnp.where(truncated_only > 0, final_values, next_values)
+        dones = jnp.maximum(traj.terminated, traj.truncated)
+        advantages, targets = compute_gae(
+            traj.reward, traj.value, next_values, traj.terminated, dones, hp.gamma, hp.gae_lambda
+        )
+
+        # 3. Learn: epochs x shuffled minibatches, gradients averaged over devices.
+        def _update_epoch(carry, _):
+            def _update_minibatch(carry, minibatch):
+                params, opt_state = carry
+                mb_traj, mb_advantages, mb_targets = minibatch
+
+                def _loss(params):
+                    pi, value = network.apply(params, flat(mb_traj.obs))
+                    return ppo_loss(
+                        pi.log_prob(mb_traj.action),
+                        pi.entropy(),
+                        value,
+                        mb_traj.log_prob,
+                        mb_traj.value,
+                        mb_advantages,
+                        mb_targets,
+                        hp,
+                        config.norm_adv,
+                        config.clip_vloss,
+                    )
+
+                grads, info = jax.grad(_loss, has_aux=True)(params)
+                grads = jax.lax.pmean(grads, DEVICE_AXIS)
+                updates, opt_state = optimizer.update(grads, opt_state, params)
+                return (optax.apply_updates(params, updates), opt_state), info
+
+            params, opt_state, key = carry
+            key, permutation_key = jax.random.split(key)
+            permutation = jax.random.permutation(permutation_key, batch_size)
+            batch = (traj, advantages, targets)
+            minibatches = jax.tree.map(
+                lambda x: x.reshape(batch_size, *x.shape[2:])[permutation].reshape(
+                    config.num_minibatches, minibatch_size, *x.shape[2:]
+                ),
+                batch,
+            )
+            (params, opt_state), info = jax.lax.scan(
+                _update_minibatch, (params, opt_state), minibatches
+            )
+            return (params, opt_state, key), info
+
+        (params, opt_state, key), info = jax.lax.scan(
+            _update_epoch,
+            (params, runner_state.opt_state, runner_state.key),
+            None,
+            config.update_epochs,
+        )
+        runner_state = runner_state._replace(params=params, opt_state=opt_state, key=key)
+
+        # 4. Metrics, reduced here so nothing per-step is kept: episodes that ended this update.
+        episodes = jax.lax.psum(dones.sum(), DEVICE_AXIS)
+        return_sum = jax.lax.psum((traj.episode_return * dones).sum(), DEVICE_AXIS)
+        length_sum = jax.lax.psum((traj.episode_length * dones).sum(), DEVICE_AXIS)
+        metrics = {
+            "episode_return": jnp.where(episodes > 0, return_sum / episodes, jnp.nan),
+            "episode_length": jnp.where(episodes > 0, length_sum / episodes, jnp.nan),
+            "episodes": episodes,
+            **{k: jax.lax.pmean(v.mean(), DEVICE_AXIS) for k, v in info._asdict().items()},
+        }
+        return runner_state, metrics
+
+    def train_chunk(runner_state: RunnerState, num_updates: int):
+        return jax.lax.scan(_update_step, runner_state, None, num_updates)
+
+    def evaluate(runner_state: RunnerState, key):
+        def greedy(obs):
+            return to_env_action(
+                network.apply(runner_state.params, flat(obs), method=ActorCritic.policy).mode()
+            )
+
+        return evaluate_policy(
+            env, env_params, greedy, key, config.eval_episodes, spec.max_episode_steps
+        )
+
+    return Trainer(
+        algo="ppo",
+        env_id=spec.env_id,
+        num_updates=num_updates,
+        steps_per_update=steps_per_update,
+        init=init,
+        train_chunk=train_chunk,
+        evaluate=evaluate,
+    )
+
+
+if __name__ == "__main__":
+    with exit_on_config_error():
+        run_training(parse_config(Config, PRESETS), make_train)

@@ -1,0 +1,111 @@
+"""Command line: the run flags every trainer shares, env presets, `--resume` and exit codes."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import sys
+
+import tyro
+
+from utils.envs import env_family, resolve_env_id
+from utils.errors import ConfigError
+
+
+@dataclasses.dataclass
+class RunConfig:
+    """Flags of the run itself (seeds, devices, logging, output), not of the algorithm."""
+
+    seed: int = 1
+    """seed of the first run; seed i of `--num-seeds N` uses seed + i"""
+    num_seeds: int = 1
+    """independent seeds trained at once in one compiled program (jax.vmap)"""
+    num_devices: int = 0
+    """devices to split the environments over (jax.pmap); 0 means all local devices"""
+    track: bool = False
+    """log to Weights & Biases (never contacted unless this is set)"""
+    wandb_project_name: str = "purejaxrl"
+    """wandb project"""
+    wandb_entity: str | None = None
+    """wandb entity (team); None uses your default"""
+    progress: bool = True
+    """show a progress bar with return, steps/s and ETA"""
+    updates_per_chunk: int = 0
+    """updates per compiled chunk; between chunks the driver logs and checkpoints (0: automatic)"""
+    eval_episodes: int = 10
+    """greedy evaluation episodes of the final policy, per seed (0 to skip)"""
+    runs_dir: str = "runs"
+    """folder that holds one directory per run"""
+    resume: str | None = None
+    """continue the run in this run directory from its latest checkpoint"""
+
+
+# Fields that may differ from the saved config when resuming: they change how the run is
+# watched, not what it computes.
+RESUMABLE_OVERRIDES = frozenset(
+    {"resume", "progress", "updates_per_chunk", "track", "wandb_project_name", "wandb_entity"}
+    | {"eval_episodes", "runs_dir"}
+)
+
+
+def _flag_value(args: list[str], name: str) -> str | None:
+    """Value of `--name X` / `--name=X` (dashes or underscores) in raw argv, last one wins."""
+    spellings = {f"--{name}", f"--{name.replace('_', '-')}"}
+    value = None
+    for i, arg in enumerate(args):
+        flag, eq, inline = arg.partition("=")
+        if flag in spellings:
+            value = inline if eq else (args[i + 1] if i + 1 < len(args) else None)
+    return value
+
+
+def load_saved_config(run_dir: str) -> dict:
+    path = os.path.join(run_dir, "config.json")
+    if not os.path.isdir(run_dir):
+        raise ConfigError(f"--resume: run directory {run_dir!r} does not exist")
+    if not os.path.isfile(path):
+        raise ConfigError(f"--resume: {run_dir!r} has no config.json, so it is not a run directory")
+    with open(path) as f:
+        return json.load(f)
+
+
+def parse_config(config_cls, presets: dict[str, dict], args: list[str] | None = None):
+    """Parse argv into `config_cls`, with defaults from the env's preset or the resumed run.
+
+    The preset is chosen before parsing, so `--env Breakout --help` shows Breakout's defaults
+    and any flag still overrides them. With `--resume RUN_DIR` the saved config is the default,
+    and a flag that changes something the run computes is refused.
+    """
+    args = list(sys.argv[1:] if args is None else args)
+    resume = _flag_value(args, "resume")
+    if resume is not None:
+        saved = load_saved_config(resume)
+        names = {f.name for f in dataclasses.fields(config_cls)}
+        default = config_cls(**{k: v for k, v in saved.items() if k in names})
+    else:
+        env = _flag_value(args, "env") or config_cls.env
+        family = env_family(resolve_env_id(env))
+        default = config_cls(**{**presets.get(family, {}), "env": env})
+    config = tyro.cli(config_cls, default=default, args=args, description=config_cls.__doc__)
+    if resume is not None:
+        for field in dataclasses.fields(config_cls):
+            new, old = getattr(config, field.name), getattr(default, field.name)
+            if field.name not in RESUMABLE_OVERRIDES and new != old:
+                flag = "--" + field.name.replace("_", "-")
+                raise ConfigError(
+                    f"--resume: {flag}={new} conflicts with {old} saved in "
+                    f"{os.path.join(resume, 'config.json')}; drop the flag or start a new run"
+                )
+    return config
+
+
+@contextlib.contextmanager
+def exit_on_config_error():
+    """Turn a ConfigError into one line on stderr and exit code 2."""
+    try:
+        yield
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)

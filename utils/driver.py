@@ -1,0 +1,276 @@
+"""The training driver every trainer shares: compiled chunks, logs, checkpoints, summary.
+
+A trainer script builds a `Trainer` (pure functions) and hands it to `run_training`. The
+driver runs `train_chunk` (a `lax.scan` over updates) under `pmap(vmap(...))`: devices on
+the outer axis, seeds on the inner one. Between chunks, and only there, it touches the host:
+metrics.csv, wandb, the progress bar and an atomic checkpoint. With a single chunk the whole
+run is exactly one scan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+from utils import checkpoint
+from utils.devices import DEVICE_AXIS, resolve_num_devices
+from utils.errors import ConfigError
+from utils.logs import MetricsCsv, WandbSink, read_metrics_csv
+from utils.plotting import plot_learning_curve
+
+CHUNKS_PER_RUN = 25  # automatic chunking aims at about this many progress/checkpoint points
+
+
+@dataclasses.dataclass(frozen=True)
+class Trainer:
+    """What `make_train(config)` returns. Every function is pure and runs under the driver's
+    `pmap(vmap(f), axis_name=DEVICE_AXIS)`, so it sees one seed on one device."""
+
+    algo: str
+    env_id: str
+    num_updates: int
+    steps_per_update: int  # env steps of one seed per update, all devices together
+    init: Callable  # (key) -> state
+    train_chunk: Callable  # (state, num_updates) -> (state, {metric: [num_updates]})
+    evaluate: Callable  # (state, key) -> episode returns [eval_episodes]; called unpmapped
+
+    def train(self, key):
+        """The whole run as one scan over updates: (final state, metrics [num_updates])."""
+        return self.train_chunk(self.init(key), self.num_updates)
+
+
+def auto_updates_per_chunk(num_updates: int) -> int:
+    """A chunk length near num_updates / CHUNKS_PER_RUN that divides num_updates if one is
+    close, so that every chunk has the same length and compiles once."""
+    target = max(1, round(num_updates / CHUNKS_PER_RUN))
+    divisors = [d for d in range(max(1, target // 2), 2 * target + 1) if num_updates % d == 0]
+    return min(divisors, key=lambda d: abs(d - target)) if divisors else target
+
+
+def check_run_config(config) -> None:
+    if config.num_seeds < 1:
+        raise ConfigError(f"--num-seeds must be >= 1, got {config.num_seeds}")
+    if config.updates_per_chunk < 0:
+        raise ConfigError(f"--updates-per-chunk must be >= 0, got {config.updates_per_chunk}")
+    if config.eval_episodes < 0:
+        raise ConfigError(f"--eval-episodes must be >= 0, got {config.eval_episodes}")
+
+
+def _write_json(path: str, data: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def _new_run_dir(config, trainer: Trainer) -> str:
+    name = f"{trainer.env_id}__{trainer.algo}__{config.seed}__{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = os.path.join(config.runs_dir, name)
+    suffix = 1
+    while os.path.exists(run_dir):
+        suffix += 1
+        run_dir = os.path.join(config.runs_dir, f"{name}-{suffix}")
+    os.makedirs(run_dir)
+    _write_json(os.path.join(run_dir, "config.json"), dataclasses.asdict(config))
+    return run_dir
+
+
+class _Progress:
+    """A rich progress bar: updates done, latest mean return, steps/s and ETA."""
+
+    def __init__(self, enabled: bool, total: int, done: int, label: str):
+        self.bar = None
+        if not enabled:
+            return
+        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.bar = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total} updates"),
+            TextColumn("return {task.fields[ret]}"),
+            TextColumn("{task.fields[sps]} steps/s"),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+        )
+        self.task = self.bar.add_task(label, total=total, completed=done, ret="-", sps="-")
+        self.bar.start()
+
+    def update(self, done: int, mean_return: float, steps_per_second: float):
+        if self.bar is not None:
+            ret = "-" if math.isnan(mean_return) else f"{mean_return:.1f}"
+            self.bar.update(self.task, completed=done, ret=ret, sps=f"{steps_per_second:,.0f}")
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def _final_returns(csv_path: str, num_seeds: int, num_updates: int) -> list[float]:
+    """Per seed: mean training return over the last 10% of updates (episodes that ended)."""
+    columns = read_metrics_csv(csv_path)
+    window_start = num_updates - max(1, num_updates // 10)
+    finals = []
+    for seed in range(num_seeds):
+        rows = (columns["seed"] == seed) & (columns["update"] > window_start)
+        values = columns["episode_return"][rows]
+        values = values[np.isfinite(values)]
+        finals.append(float(values.mean()) if values.size else float("nan"))
+    return finals
+
+
+def run_training(config, make_train: Callable[..., Trainer]) -> dict:
+    """Validate, build, train in chunks, evaluate and report. Returns the summary dict."""
+    wall_start = time.perf_counter()
+    check_run_config(config)
+    config = dataclasses.replace(config, num_devices=resolve_num_devices(config.num_devices))
+    trainer = make_train(config)  # raises ConfigError for bad algorithm flags, before compiling
+    num_devices, num_seeds = config.num_devices, config.num_seeds
+
+    resuming = config.resume is not None
+    run_dir = config.resume if resuming else _new_run_dir(config, trainer)
+    checkpoint_dir = os.path.join(run_dir, "checkpoints")
+    run_name = os.path.basename(os.path.normpath(run_dir))
+
+    # Initialise on the devices: every device gets the seed's key, so network parameters are
+    # identical across devices; trainers fold the device index into their environment keys.
+    seed_keys = np.stack(
+        [np.asarray(jax.random.PRNGKey(config.seed + i)) for i in range(num_seeds)]
+    )
+    device_keys = np.repeat(seed_keys[None], num_devices, axis=0)
+    compile_start = time.perf_counter()
+    # Seeds are initialised one after another (lax.map), not vmapped: a batched LAPACK QR, as
+    # in orthogonal weight init, can deadlock XLA:CPU's thread pool on small machines.
+    init_seeds = jax.pmap(lambda keys: jax.lax.map(trainer.init, keys), axis_name=DEVICE_AXIS)
+    state = jax.block_until_ready(init_seeds(device_keys))
+    compile_seconds = time.perf_counter() - compile_start
+    start_update, meta = 0, {"train_seconds": 0.0, "compile_seconds": 0.0, "wall_seconds": 0.0}
+    if resuming:
+        host_state, meta = checkpoint.restore(checkpoint_dir, state)
+        state = jax.tree.map(lambda h, t: jax.device_put(h, t.sharding), host_state, state)
+        start_update = int(meta.pop("update"))
+    previous = {k: meta[k] for k in ("train_seconds", "compile_seconds", "wall_seconds")}
+
+    chunk_len = config.updates_per_chunk or auto_updates_per_chunk(trainer.num_updates)
+    compiled_chunks: dict[int, Callable] = {}
+
+    def compiled_chunk(num_updates: int):
+        nonlocal compile_seconds
+        if num_updates not in compiled_chunks:
+            chunk = functools.partial(trainer.train_chunk, num_updates=num_updates)
+            start = time.perf_counter()
+            pmapped = jax.pmap(jax.vmap(chunk), axis_name=DEVICE_AXIS)
+            compiled_chunks[num_updates] = pmapped.lower(state).compile()
+            compile_seconds += time.perf_counter() - start
+        return compiled_chunks[num_updates]
+
+    csv_path = os.path.join(run_dir, "metrics.csv")
+    metrics_csv = None
+    wandb_sink = WandbSink(config, run_dir, run_name) if config.track else None
+    progress = _Progress(config.progress, trainer.num_updates, start_update, trainer.env_id)
+    steps_per_update = trainer.steps_per_update
+    update, train_seconds, saved_update = start_update, 0.0, start_update
+
+    def meta_now() -> dict:
+        return {
+            "update": update,
+            "train_seconds": previous["train_seconds"] + train_seconds,
+            "compile_seconds": previous["compile_seconds"] + compile_seconds,
+            "wall_seconds": previous["wall_seconds"] + time.perf_counter() - wall_start,
+        }
+
+    try:
+        while update < trainer.num_updates:
+            num_updates = min(chunk_len, trainer.num_updates - update)
+            run_chunk = compiled_chunk(num_updates)
+            start = time.perf_counter()
+            new_state, metrics = run_chunk(state)
+            metrics = {k: np.asarray(v[0]) for k, v in jax.device_get(metrics).items()}
+            train_seconds += time.perf_counter() - start
+            with checkpoint.defer_sigint():  # logs and checkpoint of a chunk land together
+                state, first_update = new_state, update + 1
+                update += num_updates
+                if metrics_csv is None:
+                    keep = start_update if resuming else None
+                    metrics_csv = MetricsCsv(csv_path, sorted(metrics), keep_until_update=keep)
+                metrics_csv.append(first_update, steps_per_update, metrics)
+                if wandb_sink is not None:
+                    wandb_sink.log(first_update, steps_per_update, metrics)
+                checkpoint.save(checkpoint_dir, update, state, meta_now())
+                saved_update = update
+            done_steps = (update - start_update) * steps_per_update * num_seeds
+            last_returns = metrics["episode_return"][:, -1]
+            mean_return = np.nanmean(last_returns) if np.isfinite(last_returns).any() else np.nan
+            progress.update(update, mean_return, done_steps / max(train_seconds, 1e-9))
+    except KeyboardInterrupt:
+        progress.close()
+        if saved_update != update:
+            checkpoint.save(checkpoint_dir, update, state, meta_now())
+        print(
+            f"\ninterrupted after update {update}; continue with --resume {run_dir}",
+            file=sys.stderr,
+        )
+        sys.exit(130)
+    progress.close()
+
+    eval_returns = [float("nan")] * num_seeds
+    if config.eval_episodes > 0:
+        first_device_state = jax.tree.map(lambda x: x[0], state)
+        eval_keys = jax.vmap(lambda k: jax.random.fold_in(k, 1))(seed_keys)
+        start = time.perf_counter()
+        evaluate = (
+            jax.jit(jax.vmap(trainer.evaluate)).lower(first_device_state, eval_keys).compile()
+        )
+        compile_seconds += time.perf_counter() - start
+        eval_returns = np.asarray(evaluate(first_device_state, eval_keys)).mean(axis=1).tolist()
+
+    final_returns = _final_returns(csv_path, num_seeds, trainer.num_updates)
+    totals = meta_now()
+    steps_done = (trainer.num_updates - start_update) * steps_per_update * num_seeds
+    steps_per_second = steps_done / max(train_seconds, 1e-9)
+    summary = {
+        "algo": trainer.algo,
+        "env_id": trainer.env_id,
+        "run_dir": run_dir,
+        "seeds": [config.seed + i for i in range(num_seeds)],
+        "num_devices": num_devices,
+        "num_updates": trainer.num_updates,
+        "env_steps_per_seed": trainer.num_updates * steps_per_update,
+        "final_return_per_seed": final_returns,
+        "final_return_mean": float(np.nanmean(final_returns)),
+        "final_return_std": float(np.nanstd(final_returns)),
+        "eval_episodes": config.eval_episodes,
+        "eval_return_per_seed": eval_returns,
+        "eval_return_mean": float(np.mean(eval_returns)),
+        "eval_return_std": float(np.std(eval_returns)),
+        "steps_per_second": steps_per_second,
+        "steps_per_second_per_seed": steps_per_second / num_seeds,
+        "compile_seconds": totals["compile_seconds"],
+        "train_seconds": totals["train_seconds"],
+        "wall_seconds": totals["wall_seconds"],
+        "resumed_from_update": start_update if resuming else None,
+    }
+    _write_json(os.path.join(run_dir, "summary.json"), summary)
+    plot_learning_curve(
+        csv_path, os.path.join(run_dir, "learning_curve.png"), f"{trainer.algo} {trainer.env_id}"
+    )
+    if wandb_sink is not None:
+        wandb_sink.finish(summary)
+    print(
+        f"{trainer.algo} {trainer.env_id}: final return {summary['final_return_mean']:.1f} "
+        f"± {summary['final_return_std']:.1f} over {num_seeds} seed(s), "
+        f"eval {summary['eval_return_mean']:.1f}, {steps_per_second:,.0f} steps/s, "
+        f"compile {summary['compile_seconds']:.1f} s, wall {summary['wall_seconds']:.1f} s "
+        f"-> {run_dir}"
+    )
+    return summary

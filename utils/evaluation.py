@@ -1,0 +1,38 @@
+"""Evaluation rollouts that run inside jit."""
+
+import jax
+import jax.numpy as jnp
+
+
+def evaluate_policy(env, env_params, policy, key, num_episodes: int, max_steps: int):
+    """Return the undiscounted return of `num_episodes` episodes played by `policy`.
+
+    The episodes run side by side, one environment each, until every one of them has ended
+    (or `max_steps` have passed, which gymnax's own time limit makes unreachable).
+    `policy(obs_batch) -> action_batch` is deterministic or takes its randomness from its
+    closure. A `lax.while_loop` stops as soon as the last episode ends.
+    """
+    reset_key, step_key = jax.random.split(key)
+    obs, state = jax.vmap(env.reset, in_axes=(0, None))(
+        jax.random.split(reset_key, num_episodes), env_params
+    )
+    returns = jnp.zeros(num_episodes, jnp.float32)
+    finished = jnp.zeros(num_episodes, bool)
+
+    def _not_all_finished(carry):
+        *_, finished, t = carry
+        return jnp.logical_and(~jnp.all(finished), t < max_steps)
+
+    def _step(carry):
+        obs, state, key, returns, finished, t = carry
+        key, subkey = jax.random.split(key)
+        action = policy(obs)
+        obs, state, reward, terminated, truncated, _ = jax.vmap(env.step, in_axes=(0, 0, 0, None))(
+            jax.random.split(subkey, num_episodes), state, action, env_params
+        )
+        returns = returns + jnp.where(finished, 0.0, reward)
+        finished = finished | terminated | truncated
+        return obs, state, key, returns, finished, t + 1
+
+    carry = (obs, state, step_key, returns, finished, jnp.int32(0))
+    return jax.lax.while_loop(_not_all_finished, _step, carry)[3]

@@ -1,0 +1,90 @@
+"""Metric sinks: metrics.csv (always) and Weights & Biases (with --track)."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import math
+import os
+
+import numpy as np
+
+KEY_COLUMNS = ["update", "env_steps", "seed"]
+
+
+class MetricsCsv:
+    """metrics.csv with one row per update and seed. On resume, rows past the checkpoint go."""
+
+    def __init__(self, path: str, metric_names: list[str], keep_until_update: int | None = None):
+        self.path = path
+        self.columns = KEY_COLUMNS + metric_names
+        if keep_until_update is not None and os.path.exists(path):
+            with open(path, newline="") as f:
+                rows = [r for r in csv.DictReader(f) if int(r["update"]) <= keep_until_update]
+            self._rewrite(rows)
+        elif not os.path.exists(path):
+            self._rewrite([])
+
+    def _rewrite(self, rows: list[dict]):
+        tmp = self.path + ".tmp"
+        with open(tmp, "w", newline="") as f:
+            writer = csv.DictWriter(f, self.columns)
+            writer.writeheader()
+            writer.writerows(rows)
+        os.replace(tmp, self.path)
+
+    def append(self, first_update: int, steps_per_update: int, metrics: dict[str, np.ndarray]):
+        """`metrics[name]` has shape [num_seeds, num_updates]; update numbers start at 1."""
+        num_seeds, num_updates = next(iter(metrics.values())).shape
+        with open(self.path, "a", newline="") as f:
+            writer = csv.writer(f)
+            for k in range(num_updates):
+                update = first_update + k
+                for seed in range(num_seeds):
+                    values = [float(metrics[name][seed, k]) for name in self.columns[3:]]
+                    writer.writerow([update, update * steps_per_update, seed, *values])
+
+
+def read_metrics_csv(path: str) -> dict[str, np.ndarray]:
+    """Columns of metrics.csv as arrays."""
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    if not rows:
+        return {}
+    return {name: np.array([float(r[name]) for r in rows]) for name in rows[0]}
+
+
+class WandbSink:
+    """One curve per seed for the episode return, plus the mean of every metric."""
+
+    def __init__(self, config, run_dir: str, run_name: str):
+        import wandb  # imported only when tracking, so wandb is never needed otherwise
+
+        self.run = wandb.init(
+            project=config.wandb_project_name,
+            entity=config.wandb_entity,
+            name=run_name,
+            id=run_name.replace("/", "_"),
+            resume="allow",
+            config=dataclasses.asdict(config),
+            dir=run_dir,
+        )
+
+    def log(self, first_update: int, steps_per_update: int, metrics: dict[str, np.ndarray]):
+        num_seeds, num_updates = next(iter(metrics.values())).shape
+        for k in range(num_updates):
+            row = {}
+            for name, values in metrics.items():
+                column = values[:, k]
+                finite = column[np.isfinite(column)]
+                if finite.size:
+                    row[f"{name}/mean"] = float(finite.mean())
+            for seed in range(num_seeds):
+                value = float(metrics["episode_return"][seed, k])
+                if not math.isnan(value):
+                    row[f"episode_return/seed_{seed}"] = value
+            self.run.log(row, step=(first_update + k) * steps_per_update)
+
+    def finish(self, summary: dict):
+        self.run.summary.update({k: v for k, v in summary.items() if not isinstance(v, list)})
+        self.run.finish()
