@@ -192,6 +192,18 @@ class ActorCritic(nn.Module):
 # ---------------------------------------------------------------------------------------------
 
 
+def next_state_values(values, last_value, final_values, truncated):
+    """Value of the state each step led to, arrays [T, N] (`last_value` [N]).
+
+    Normally that is the next rollout state's value. After an automatic reset the next rollout
+    state belongs to a new episode, so a time-limit truncation uses the value of the final
+    observation it was cut off in instead (an episode that terminated gets no bootstrap at all,
+    which `compute_gae` applies).
+    """
+    following = jnp.concatenate([values[1:], last_value[None]])
+    return jnp.where(truncated > 0, final_values, following)
+
+
 def compute_gae(rewards, values, next_values, terminated, dones, gamma, gae_lambda):
     """Generalised advantage estimation over a rollout, arrays [T, N].
 
@@ -378,14 +390,11 @@ def make_train(config: Config) -> Trainer:
 
         runner_state, traj = jax.lax.scan(_env_step, runner_state, None, config.num_steps)
 
-        # 2. Targets. A time-limit truncation bootstraps from the value of the observation the
-        # episode was cut off in; only a real termination has no future value.
+        # 2. Targets, with time-limit truncations bootstrapped from their final observation.
         params = runner_state.params
         last_value = network.apply(params, flat(runner_state.obs), method=ActorCritic.value)
-        next_values = jnp.concatenate([traj.value[1:], last_value[None]])
         final_values = network.apply(params, flat(traj.final_obs), method=ActorCritic.value)
-        truncated_only = traj.truncated * (1.0 - traj.terminated)
-        next_values = jnp.where(truncated_only > 0, final_values, next_values)
+        next_values = next_state_values(traj.value, last_value, final_values, traj.truncated)
         dones = jnp.maximum(traj.terminated, traj.truncated)
         advantages, targets = compute_gae(
             traj.reward, traj.value, next_values, traj.terminated, dones, hp.gamma, hp.gae_lambda

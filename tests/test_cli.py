@@ -1,0 +1,69 @@
+"""Env aliases, presets and flag parsing."""
+
+import pytest
+
+from purejaxrl_ppo import PRESETS, Config
+from tests.helpers import run_script
+from utils.cli import parse_config
+from utils.envs import env_family, make_env, resolve_env_id
+from utils.errors import ConfigError
+
+
+@pytest.mark.parametrize(
+    ("name", "env_id"),
+    [
+        ("CartPole", "CartPole-v1"),
+        ("cartpole", "CartPole-v1"),
+        ("Breakout", "Breakout-MinAtar"),
+        ("SpaceInvaders", "SpaceInvaders-MinAtar"),
+        ("Seaquest", "Seaquest-MinAtar"),
+        ("Pendulum", "Pendulum-v1"),
+        ("Breakout-MinAtar", "Breakout-MinAtar"),
+        ("catch-bsuite", "Catch-bsuite"),
+    ],
+)
+def test_aliases_resolve_to_gymnax_ids(name, env_id):
+    assert resolve_env_id(name) == env_id
+
+
+def test_unknown_env_lists_aliases_and_ids():
+    with pytest.raises(ConfigError) as error:
+        resolve_env_id("Pong-ALE")
+    message = str(error.value)
+    assert "'Pong-ALE'" in message
+    assert "Breakout (Breakout-MinAtar)" in message and "Acrobot-v1" in message
+
+
+def test_env_spec_and_families():
+    _, _, spec = make_env("Breakout")
+    assert spec.obs_shape == (10, 10, 4) and spec.discrete and spec.num_actions == 3
+    _, _, spec = make_env("Pendulum")
+    assert not spec.discrete and spec.num_actions == 1 and spec.max_episode_steps == 200
+    assert [env_family(resolve_env_id(n)) for n in ("Asterix", "Pendulum", "Acrobot")] == [
+        "minatar",
+        "continuous",
+        "classic",
+    ]
+
+
+def test_preset_defaults_and_overrides():
+    config = parse_config(Config, PRESETS, ["--env", "Breakout"])
+    assert config.num_envs == PRESETS["minatar"]["num_envs"]
+    assert config.total_timesteps == PRESETS["minatar"]["total_timesteps"]
+    config = parse_config(Config, PRESETS, ["--env=Breakout", "--num-envs", "8", "--no-anneal-lr"])
+    assert config.num_envs == 8 and not config.anneal_lr
+    config = parse_config(Config, PRESETS, ["--num_seeds", "3", "--learning-rate", "1e-3"])
+    assert config.env == "CartPole" and config.num_seeds == 3 and config.learning_rate == 1e-3
+
+
+def test_help_names_every_flag_and_says_breakout_is_minatar():
+    result = run_script("purejaxrl_ppo.py", "--help")
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())
+    assert "MinAtar" in text and "not ALE" in text
+    flags = "--seed --total-timesteps --learning-rate --num-envs --num-steps --num-minibatches"
+    flags += " --update-epochs --gamma --gae-lambda --clip-coef --ent-coef --vf-coef"
+    flags += " --max-grad-norm --anneal-lr --track --wandb-project-name --wandb-entity"
+    flags += " --num-seeds --num-devices --resume --no-progress --eval-episodes"
+    for flag in flags.split():
+        assert flag in text, flag

@@ -1,0 +1,79 @@
+"""Bad input: one clear sentence, exit code 2, nothing compiled, nothing existing touched."""
+
+import os
+
+import pytest
+
+from purejaxrl_ppo import PRESETS, Config, make_train
+from tests.helpers import run_script
+from utils.cli import parse_config
+from utils.driver import run_training
+from utils.errors import ConfigError
+
+
+def expect_config_error(args, match):
+    with pytest.raises(ConfigError, match=match):
+        run_training(parse_config(Config, PRESETS, args), make_train)
+
+
+def test_unknown_env_exits_2_with_the_valid_names():
+    result = run_script("purejaxrl_ppo.py", "--env", "Pong-ALE")
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: unknown env 'Pong-ALE'")
+    assert "Breakout (Breakout-MinAtar)" in result.stderr and "CartPole-v1" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_num_envs_not_divisible_by_devices(tmp_path):
+    result = run_script(
+        "purejaxrl_ppo.py", "--num-envs", "3", "--runs-dir", str(tmp_path), devices=2
+    )
+    assert result.returncode == 2
+    assert "--num-envs 3 is not divisible by the 2 devices" in result.stderr
+    assert not os.listdir(tmp_path)
+
+
+def test_batch_not_divisible_by_minibatches(tiny_ppo_args, tmp_path):
+    expect_config_error(
+        [*tiny_ppo_args, "--num-steps", "5", "--num-minibatches", "3"],
+        r"rollout batch per device \(4 envs x 5 steps = 20\) is not divisible by --num-minibatches 3",
+    )
+    assert not (tmp_path / "runs").exists()
+
+
+def test_total_timesteps_below_one_update(tiny_ppo_args):
+    expect_config_error([*tiny_ppo_args, "--total-timesteps", "63"], "less than one update")
+
+
+def test_too_many_devices(tiny_ppo_args):
+    expect_config_error([*tiny_ppo_args, "--num-devices", "64"], "more devices than the 1")
+
+
+def test_non_positive_sizes(tiny_ppo_args):
+    expect_config_error([*tiny_ppo_args, "--num-seeds", "0"], "--num-seeds must be >= 1")
+    expect_config_error([*tiny_ppo_args, "--update-epochs", "0"], "--update-epochs must be >= 1")
+
+
+def test_resume_of_a_missing_directory(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        parse_config(Config, PRESETS, ["--resume", str(tmp_path / "nope")])
+    with pytest.raises(ConfigError, match="no config.json"):
+        parse_config(Config, PRESETS, ["--resume", str(tmp_path)])
+
+
+def test_resume_with_a_conflicting_flag_leaves_the_run_untouched(tiny_ppo_args):
+    summary = run_training(parse_config(Config, PRESETS, tiny_ppo_args), make_train)
+    run_dir = summary["run_dir"]
+
+    def snapshot():
+        return {
+            os.path.join(root, name): os.stat(os.path.join(root, name)).st_mtime_ns
+            for root, _, names in os.walk(run_dir)
+            for name in names
+        }
+
+    before = snapshot()
+    result = run_script("purejaxrl_ppo.py", "--resume", run_dir, "--learning-rate", "0.1")
+    assert result.returncode == 2
+    assert "--learning-rate=0.1 conflicts with 0.00025 saved in" in result.stderr
+    assert snapshot() == before

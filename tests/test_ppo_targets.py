@@ -1,0 +1,140 @@
+"""GAE, truncation bootstrapping, the PPO loss and the action distributions against plain NumPy."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from purejaxrl_ppo import (
+    Categorical,
+    DiagGaussian,
+    HyperParams,
+    compute_gae,
+    next_state_values,
+    ppo_loss,
+)
+
+
+def gae_reference(rewards, values, last_value, final_values, terminated, truncated, gamma, lam):
+    """Textbook GAE, one environment and one step at a time."""
+    num_steps, num_envs = rewards.shape
+    advantages = np.zeros((num_steps, num_envs))
+    for n in range(num_envs):
+        next_advantage = 0.0
+        for t in reversed(range(num_steps)):
+            if terminated[t, n]:
+                next_value = 0.0
+            elif truncated[t, n]:
+                next_value = final_values[t, n]
+            elif t + 1 < num_steps:
+                next_value = values[t + 1, n]
+            else:
+                next_value = last_value[n]
+            delta = rewards[t, n] + gamma * next_value - values[t, n]
+            episode_ended = terminated[t, n] or truncated[t, n]
+            next_advantage = delta + (0.0 if episode_ended else gamma * lam * next_advantage)
+            advantages[t, n] = next_advantage
+    return advantages, advantages + values
+
+
+def gae(rewards, values, last_value, final_values, terminated, truncated, gamma, lam):
+    """The trainer's pipeline: bootstrap values, then GAE."""
+    terminated, truncated = terminated.astype(np.float32), truncated.astype(np.float32)
+    next_values = next_state_values(values, last_value, final_values, truncated)
+    dones = np.maximum(terminated, truncated)
+    return compute_gae(rewards, values, next_values, terminated, dones, gamma, lam)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_gae_matches_reference_loop(seed):
+    rng = np.random.default_rng(seed)
+    num_steps, num_envs = 17, 5
+    rewards = rng.normal(size=(num_steps, num_envs)).astype(np.float32)
+    values = rng.normal(size=(num_steps, num_envs)).astype(np.float32)
+    last_value = rng.normal(size=num_envs).astype(np.float32)
+    final_values = rng.normal(size=(num_steps, num_envs)).astype(np.float32)
+    terminated = rng.random((num_steps, num_envs)) < 0.15
+    truncated = rng.random((num_steps, num_envs)) < 0.15  # some steps are both
+    assert (terminated & truncated).any() and (truncated & ~terminated).any()
+    expected = gae_reference(
+        rewards, values, last_value, final_values, terminated, truncated, 0.99, 0.95
+    )
+    got = gae(rewards, values, last_value, final_values, terminated, truncated, 0.99, 0.95)
+    np.testing.assert_allclose(got[0], expected[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got[1], expected[1], rtol=1e-5, atol=1e-5)
+
+
+def test_truncation_bootstraps_from_final_observation_value():
+    """A time limit is not a terminal state: the target keeps gamma * V(final observation)."""
+    rewards = np.array([[1.0], [1.0]], np.float32)
+    values = np.array([[5.0], [7.0]], np.float32)  # step 1 is the first step of a new episode
+    final_values = np.array([[10.0], [0.0]], np.float32)
+    last_value = np.array([3.0], np.float32)
+    no = np.zeros((2, 1), bool)
+    truncated = np.array([[True], [False]])
+    gamma = 0.9
+    _, targets = gae(rewards, values, last_value, final_values, no, truncated, gamma, 1.0)
+    assert targets[0, 0] == pytest.approx(1.0 + gamma * 10.0)  # not 1.0 (terminal) nor via 7.0
+    assert targets[1, 0] == pytest.approx(1.0 + gamma * 3.0)
+    # The same step as a real termination gets no bootstrap at all.
+    _, targets = gae(rewards, values, last_value, final_values, truncated, no, gamma, 1.0)
+    assert targets[0, 0] == pytest.approx(1.0)
+
+
+def test_ppo_loss_matches_hand_computation():
+    hp = HyperParams(*map(np.float32, [3e-4, 0.99, 0.95, 0.2, 0.01, 0.5, 0.5]))
+    log_prob = np.array([-0.5, -1.0, -0.2, -2.0], np.float32)
+    old_log_prob = np.array([-0.7, -0.9, -0.6, -1.5], np.float32)
+    entropy = np.array([0.6, 0.5, 0.7, 0.4], np.float32)
+    value = np.array([1.0, 0.2, -0.5, 2.0], np.float32)
+    old_value = np.array([0.8, 0.5, -0.1, 1.0], np.float32)
+    advantages = np.array([1.0, -2.0, 0.5, 3.0], np.float32)
+    targets = np.array([1.5, 0.0, 0.0, 1.2], np.float32)
+
+    # By hand, in float64.
+    ratio = np.exp(log_prob.astype(np.float64) - old_log_prob)
+    adv = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+    policy_loss = np.mean([max(-a * r, -a * min(max(r, 0.8), 1.2)) for a, r in zip(adv, ratio)])
+    v_clipped = old_value + np.clip(value - old_value, -0.2, 0.2)
+    value_loss = 0.5 * np.mean(np.maximum((value - targets) ** 2, (v_clipped - targets) ** 2))
+    expected = policy_loss + 0.5 * value_loss - 0.01 * entropy.mean()
+
+    loss, info = ppo_loss(
+        log_prob, entropy, value, old_log_prob, old_value, advantages, targets, hp, True, True
+    )
+    assert float(loss) == pytest.approx(expected, rel=1e-5)
+    assert float(info.policy_loss) == pytest.approx(policy_loss, rel=1e-5)
+    assert float(info.value_loss) == pytest.approx(value_loss, rel=1e-5)
+    assert float(info.clip_frac) == pytest.approx(np.mean(np.abs(ratio - 1) > 0.2))
+    assert float(info.approx_kl) == pytest.approx(np.mean(ratio - 1 - np.log(ratio)), rel=1e-4)
+
+    # Without advantage normalisation and value clipping the plain formulas apply.
+    loss, info = ppo_loss(
+        log_prob, entropy, value, old_log_prob, old_value, advantages, targets, hp, False, False
+    )
+    raw_policy = np.mean(np.maximum(-advantages * ratio, -advantages * np.clip(ratio, 0.8, 1.2)))
+    assert float(info.policy_loss) == pytest.approx(raw_policy, rel=1e-5)
+    assert float(info.value_loss) == pytest.approx(0.5 * np.mean((value - targets) ** 2), rel=1e-5)
+
+
+def test_categorical_matches_numpy():
+    logits = np.array([[1.0, 2.0, 0.5], [0.0, 0.0, 0.0]], np.float32)
+    pi = Categorical(jnp.asarray(logits))
+    probs = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+    action = np.array([1, 2])
+    np.testing.assert_allclose(pi.log_prob(action), np.log(probs[[0, 1], action]), rtol=1e-6)
+    np.testing.assert_allclose(pi.entropy(), -(probs * np.log(probs)).sum(-1), rtol=1e-6)
+    np.testing.assert_array_equal(pi.mode(), [1, 0])
+
+
+def test_diag_gaussian_matches_scipy():
+    mean = np.array([[0.5, -1.0]], np.float32)
+    log_std = np.array([[0.0, np.log(2.0)]], np.float32)
+    pi = DiagGaussian(jnp.asarray(mean), jnp.asarray(log_std))
+    action = np.array([[1.0, 0.0]], np.float32)
+    reference = stats.norm(mean, np.exp(log_std))
+    np.testing.assert_allclose(pi.log_prob(action), reference.logpdf(action).sum(-1), rtol=1e-5)
+    np.testing.assert_allclose(pi.entropy(), reference.entropy().sum(-1), rtol=1e-5)
+    samples = pi.sample(jax.random.PRNGKey(0))
+    assert samples.shape == mean.shape
