@@ -57,7 +57,7 @@ def test_non_positive_sizes(tiny_ppo_args):
 def test_resume_of_a_missing_directory(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         parse_config(Config, PRESETS, ["--resume", str(tmp_path / "nope")])
-    with pytest.raises(ConfigError, match="no config.json"):
+    with pytest.raises(ConfigError, match=r"no config\.json"):
         parse_config(Config, PRESETS, ["--resume", str(tmp_path)])
 
 

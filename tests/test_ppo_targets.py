@@ -95,7 +95,9 @@ def test_ppo_loss_matches_hand_computation():
     # By hand, in float64.
     ratio = np.exp(log_prob.astype(np.float64) - old_log_prob)
     adv = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
-    policy_loss = np.mean([max(-a * r, -a * min(max(r, 0.8), 1.2)) for a, r in zip(adv, ratio)])
+    policy_loss = np.mean(
+        [max(-a * r, -a * min(max(r, 0.8), 1.2)) for a, r in zip(adv, ratio, strict=True)]
+    )
     v_clipped = old_value + np.clip(value - old_value, -0.2, 0.2)
     value_loss = 0.5 * np.mean(np.maximum((value - targets) ** 2, (v_clipped - targets) ** 2))
     expected = policy_loss + 0.5 * value_loss - 0.01 * entropy.mean()
