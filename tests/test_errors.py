@@ -77,3 +77,7 @@ def test_resume_with_a_conflicting_flag_leaves_the_run_untouched(tiny_ppo_args):
     assert result.returncode == 2
     assert "--learning-rate=0.1 conflicts with 0.00025 saved in" in result.stderr
     assert snapshot() == before
+
+
+def test_cnn_torso_needs_image_observations(tiny_ppo_args):
+    expect_config_error([*tiny_ppo_args, "--torso", "cnn"], "needs image observations")
