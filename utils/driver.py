@@ -266,10 +266,11 @@ def run_training(config, make_train: Callable[..., Trainer]) -> dict:
     )
     if wandb_sink is not None:
         wandb_sink.finish(summary)
+    evaluated = f"eval {summary['eval_return_mean']:.1f}, " if config.eval_episodes else ""
     print(
         f"{trainer.algo} {trainer.env_id}: final return {summary['final_return_mean']:.1f} "
         f"± {summary['final_return_std']:.1f} over {num_seeds} seed(s), "
-        f"eval {summary['eval_return_mean']:.1f}, {steps_per_second:,.0f} steps/s, "
+        f"{evaluated}{steps_per_second:,.0f} steps/s, "
         f"compile {summary['compile_seconds']:.1f} s, wall {summary['wall_seconds']:.1f} s "
         f"-> {run_dir}"
     )

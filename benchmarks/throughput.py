@@ -1,0 +1,118 @@
+"""Training throughput next to the raw environment limit, in one process.
+
+    python benchmarks/throughput.py            # PPO and DQN on CartPole, PPO on Breakout-MinAtar
+    python benchmarks/throughput.py --runs dqn:Breakout:1000000 --out results.json
+
+For each run (algo:env:env_steps) the trainer runs at the env's preset through the normal driver (progress bar, metrics.csv
+and checkpoints at their default frequency), one seed. Its env steps per second exclude
+compilation. The limit is the same batch of environments stepped by a uniform-random policy
+inside one jitted scan: what the hardware does with no learning at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import tyro
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import purejaxrl_dqn
+import purejaxrl_ppo
+from utils.cli import parse_config
+from utils.driver import run_training
+from utils.envs import make_env
+
+TRAINERS = {"ppo": purejaxrl_ppo, "dqn": purejaxrl_dqn}
+
+
+@dataclasses.dataclass
+class Args:
+    runs: tuple[str, ...] = ("ppo:CartPole:500000", "ppo:Breakout:2000000", "dqn:CartPole:500000")
+    """algo:env:env_steps to measure, each at the env's preset with a shorter budget if asked"""
+    progress: bool = True
+    """keep the progress bar on, as a user would"""
+    out: str | None = None
+    """also write the results to this JSON file"""
+
+
+def random_policy_steps_per_second(env_name: str, num_envs: int, num_steps: int) -> float:
+    """Env steps/s of `num_envs` environments under a random policy, in one jitted scan."""
+    env, env_params, _ = make_env(env_name)
+    action_space = env.action_space(env_params)
+
+    def rollout(key):
+        reset_key, key = jax.random.split(key)
+        _, state = jax.vmap(env.reset, in_axes=(0, None))(
+            jax.random.split(reset_key, num_envs), env_params
+        )
+
+        def _step(carry, _):
+            state, key, total = carry
+            key, action_key, step_key = jax.random.split(key, 3)
+            action = jax.vmap(action_space.sample)(jax.random.split(action_key, num_envs))
+            _, state, reward, *_ = jax.vmap(env.step, in_axes=(0, 0, 0, None))(
+                jax.random.split(step_key, num_envs), state, action, env_params
+            )
+            return (state, key, total + reward.sum()), None
+
+        (_, _, total), _ = jax.lax.scan(_step, (state, key, jnp.float32(0)), None, num_steps)
+        return total
+
+    compiled = jax.jit(rollout).lower(jax.random.PRNGKey(0)).compile()
+    jax.block_until_ready(compiled(jax.random.PRNGKey(1)))  # warm-up
+    start = time.perf_counter()
+    jax.block_until_ready(compiled(jax.random.PRNGKey(2)))
+    return num_envs * num_steps / (time.perf_counter() - start)
+
+
+def main(args: Args) -> list[dict]:
+    results = []
+    with tempfile.TemporaryDirectory() as runs_dir:
+        for run in args.runs:
+            algo, env_name, budget = run.split(":")
+            trainer = TRAINERS[algo]
+            cli = ["--env", env_name, "--total-timesteps", budget, "--runs-dir", runs_dir]
+            cli += ["--eval-episodes", "0"] + ([] if args.progress else ["--no-progress"])
+            config = parse_config(trainer.Config, trainer.PRESETS, cli)
+            summary = run_training(config, trainer.make_train)
+            limit = random_policy_steps_per_second(
+                env_name, config.num_envs, summary["env_steps_per_seed"] // config.num_envs
+            )
+            results.append(
+                {
+                    "algo": algo,
+                    "env_id": summary["env_id"],
+                    "num_envs": config.num_envs,
+                    "env_steps": summary["env_steps_per_seed"],
+                    "train_steps_per_second": round(summary["steps_per_second"]),
+                    "compile_seconds": round(summary["compile_seconds"], 2),
+                    "random_policy_steps_per_second": round(limit),
+                    "ratio_to_random_policy": round(summary["steps_per_second"] / limit, 3),
+                    "final_return": summary["final_return_mean"],
+                    "devices": f"{jax.local_device_count()} x {jax.devices()[0].device_kind}",
+                }
+            )
+    print("| algo | env | train steps/s | compile s | random-policy steps/s | ratio |")
+    print("|---|---|---:|---:|---:|---:|")
+    for r in results:
+        print(
+            f"| {r['algo']} | {r['env_id']} | {r['train_steps_per_second']:,} | "
+            f"{r['compile_seconds']} | {r['random_policy_steps_per_second']:,} | "
+            f"{r['ratio_to_random_policy']} |"
+        )
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+    return results
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args, description=__doc__))
