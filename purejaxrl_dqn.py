@@ -29,7 +29,7 @@ import optax
 from utils.cli import RunConfig, exit_on_config_error, parse_config
 from utils.devices import DEVICE_AXIS
 from utils.driver import Trainer, run_training
-from utils.envs import env_family, make_env
+from utils.envs import env_family, episode_metrics, make_env
 from utils.errors import ConfigError
 from utils.evaluation import evaluate_policy
 from utils.layers import Conv3x3
@@ -507,13 +507,8 @@ def make_train(config: Config) -> Trainer:
         )
 
         # 4. Metrics, reduced here so nothing per-step is kept: episodes that ended this update.
-        episodes = jax.lax.psum(done.sum(), DEVICE_AXIS)
-        return_sum = jax.lax.psum((episode_return * done).sum(), DEVICE_AXIS)
-        length_sum = jax.lax.psum((episode_length * done).sum(), DEVICE_AXIS)
         metrics = {
-            "episode_return": jnp.where(episodes > 0, return_sum / episodes, jnp.nan),
-            "episode_length": jnp.where(episodes > 0, length_sum / episodes, jnp.nan),
-            "episodes": episodes,
+            **episode_metrics(done, episode_return, episode_length),
             "loss": jax.lax.pmean(loss, DEVICE_AXIS),
             "q_mean": jax.lax.pmean(q_mean, DEVICE_AXIS),
             "epsilon": epsilon[-1],

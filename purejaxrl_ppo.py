@@ -22,7 +22,7 @@ import optax
 from utils.cli import RunConfig, exit_on_config_error, parse_config
 from utils.devices import DEVICE_AXIS
 from utils.driver import Trainer, run_training
-from utils.envs import make_env
+from utils.envs import episode_metrics, make_env
 from utils.errors import ConfigError
 from utils.evaluation import evaluate_policy
 from utils.layers import Conv3x3
@@ -478,13 +478,8 @@ def make_train(config: Config) -> Trainer:
         runner_state = runner_state._replace(params=params, opt_state=opt_state, key=key)
 
         # 4. Metrics, reduced here so nothing per-step is kept: episodes that ended this update.
-        episodes = jax.lax.psum(dones.sum(), DEVICE_AXIS)
-        return_sum = jax.lax.psum((traj.episode_return * dones).sum(), DEVICE_AXIS)
-        length_sum = jax.lax.psum((traj.episode_length * dones).sum(), DEVICE_AXIS)
         metrics = {
-            "episode_return": jnp.where(episodes > 0, return_sum / episodes, jnp.nan),
-            "episode_length": jnp.where(episodes > 0, length_sum / episodes, jnp.nan),
-            "episodes": episodes,
+            **episode_metrics(dones > 0, traj.episode_return, traj.episode_length),
             **{k: jax.lax.pmean(v.mean(), DEVICE_AXIS) for k, v in info._asdict().items()},
         }
         return runner_state, metrics

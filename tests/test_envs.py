@@ -1,0 +1,38 @@
+"""The env wrapper's episode statistics and their reduction into per-update metrics."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from utils.devices import DEVICE_AXIS
+from utils.envs import episode_metrics, make_env
+
+
+def test_episode_stats_match_a_step_by_step_tally():
+    env, env_params, _ = make_env("CartPole")
+    _, state = env.reset(jax.random.PRNGKey(0), env_params)
+    running_return, finished = 0.0, []
+    for t in range(200):  # always pushing left ends CartPole episodes after ~10 steps
+        _, state, reward, terminated, truncated, info = env.step(
+            jax.random.PRNGKey(t + 1), state, 0, env_params
+        )
+        running_return += float(reward)
+        if terminated or truncated:
+            assert float(info["episode_return"]) == running_return
+            assert int(info["episode_length"]) == running_return  # reward 1 per step
+            finished.append(running_return)
+            running_return = 0.0
+    assert len(finished) > 5
+
+
+def test_episode_metrics_average_only_the_episodes_that_ended():
+    done = np.array([[True, False], [False, False], [True, True]])
+    returns = np.array([[10.0, 99.0], [99.0, 99.0], [20.0, 30.0]], np.float32)
+    lengths = np.array([[5, 99], [99, 99], [7, 9]], np.int32)
+    reduce = jax.pmap(episode_metrics, axis_name=DEVICE_AXIS)
+    metrics = reduce(done[None], returns[None], lengths[None])
+    assert float(metrics["episode_return"][0]) == 20.0
+    assert float(metrics["episode_length"][0]) == 7.0
+    assert int(metrics["episodes"][0]) == 3
+    none = reduce(jnp.zeros((1, 3, 2), bool), returns[None], lengths[None])
+    assert np.isnan(none["episode_return"][0]) and np.isnan(none["episode_length"][0])
