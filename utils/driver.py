@@ -33,7 +33,9 @@ CHUNKS_PER_RUN = 25  # automatic chunking aims at about this many progress/check
 @dataclasses.dataclass(frozen=True)
 class Trainer:
     """What `make_train(config)` returns. Every function is pure and runs under the driver's
-    `pmap(vmap(f), axis_name=DEVICE_AXIS)`, so it sees one seed on one device."""
+    `pmap(vmap(f), axis_name=DEVICE_AXIS)`, so it sees one seed on one device. Metrics must
+    already be reduced over DEVICE_AXIS (psum/pmean): the driver logs device 0's copy, and it
+    reads `metrics["episode_return"]` for the progress bar and the summary."""
 
     algo: str
     env_id: str
