@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from utils.cli import RunConfig, exit_on_config_error, parse_config
+from utils.cli import RunConfig, exit_on_config_error, parse_config, require_positive
 from utils.devices import DEVICE_AXIS
 from utils.driver import Trainer, run_training
 from utils.envs import env_family, episode_metrics, make_env
@@ -305,7 +305,8 @@ def make_train(config: Config) -> Trainer:
         raise ConfigError(
             f"DQN needs a discrete action space; {spec.env_id} has continuous actions"
         )
-    for name in (
+    require_positive(
+        config,
         "total_timesteps",
         "num_envs",
         "buffer_size",
@@ -315,11 +316,7 @@ def make_train(config: Config) -> Trainer:
         "gradient_steps",
         "n_step",
         "hidden_size",
-    ):
-        if getattr(config, name) < 1:
-            raise ConfigError(
-                f"--{name.replace('_', '-')} must be >= 1, got {getattr(config, name)}"
-            )
+    )
     for name, low, high in (
         ("gamma", 0.0, 1.0),
         ("tau", 0.0, 1.0),

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from utils.cli import RunConfig, exit_on_config_error, parse_config
+from utils.cli import RunConfig, exit_on_config_error, parse_config, require_positive
 from utils.devices import DEVICE_AXIS
 from utils.driver import Trainer, run_training
 from utils.envs import episode_metrics, make_env
@@ -312,18 +312,15 @@ class RunnerState(NamedTuple):
 def make_train(config: Config) -> Trainer:
     """Check the config and build the pure training functions (nothing is compiled here)."""
     env, env_params, spec = make_env(config.env)
-    for name in (
+    require_positive(
+        config,
         "total_timesteps",
         "num_envs",
         "num_steps",
         "num_minibatches",
         "update_epochs",
         "hidden_size",
-    ):
-        if getattr(config, name) < 1:
-            raise ConfigError(
-                f"--{name.replace('_', '-')} must be >= 1, got {getattr(config, name)}"
-            )
+    )
     if config.num_envs % config.num_devices:
         raise ConfigError(
             f"--num-envs {config.num_envs} is not divisible by the {config.num_devices} devices"

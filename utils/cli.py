@@ -101,6 +101,14 @@ def parse_config(config_cls, presets: dict[str, dict], args: list[str] | None = 
     return config
 
 
+def require_positive(config, *names: str) -> None:
+    """ConfigError for the first of these integer fields that is below 1."""
+    for name in names:
+        if getattr(config, name) < 1:
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"{flag} must be >= 1, got {getattr(config, name)}")
+
+
 @contextlib.contextmanager
 def exit_on_config_error():
     """Turn a ConfigError into one line on stderr and exit code 2."""
