@@ -1,5 +1,6 @@
 """Helpers shared by the tests."""
 
+import csv
 import os
 import subprocess
 import sys
@@ -30,3 +31,32 @@ def checkpoint_leaves(run_dir) -> dict[str, np.ndarray]:
     checkpoints = sorted((Path(run_dir) / "checkpoints").glob("update_*"))
     assert checkpoints, f"no checkpoint in {run_dir}"
     return ocp.PyTreeCheckpointer().restore(str(checkpoints[-1].resolve()))["leaves"]
+
+
+def metric_table(run_dir, seed_index) -> np.ndarray:
+    """metrics.csv of one seed as [updates, metrics], without the key columns."""
+    with open(os.path.join(run_dir, "metrics.csv"), newline="") as f:
+        rows = [r for r in csv.DictReader(f) if int(r["seed"]) == seed_index]
+    names = [k for k in rows[0] if k not in ("update", "env_steps", "seed")]
+    return np.array([[float(r[k]) for k in names] for r in rows])
+
+
+def assert_identical_runs(first_dir, second_dir):
+    """Same metrics and the same final training state, bit for bit."""
+    np.testing.assert_array_equal(metric_table(first_dir, 0), metric_table(second_dir, 0))
+    a, b = checkpoint_leaves(first_dir), checkpoint_leaves(second_dir)
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name])
+
+
+def assert_seed_matches_single_run(together: dict, index: int, alone: dict):
+    """Seed `index` of a vmapped run (summary dicts) equals a single run with that seed."""
+    assert together["eval_return_per_seed"][index] == alone["eval_return_per_seed"][0]
+    together, alone = together["run_dir"], alone["run_dir"]
+    # Batched and unbatched matmuls may round differently: equal up to float32 noise.
+    np.testing.assert_allclose(
+        metric_table(together, index), metric_table(alone, 0), rtol=1e-4, atol=1e-6
+    )
+    a, b = checkpoint_leaves(together), checkpoint_leaves(alone)
+    for name in a:  # every leaf is [devices, seeds, ...]
+        np.testing.assert_allclose(a[name][:, index], b[name][:, 0], rtol=1e-4, atol=1e-6)

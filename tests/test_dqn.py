@@ -24,7 +24,12 @@ from purejaxrl_dqn import (
     n_step_return,
     td_targets,
 )
-from tests.helpers import checkpoint_leaves, run_script
+from tests.helpers import (
+    assert_identical_runs,
+    assert_seed_matches_single_run,
+    checkpoint_leaves,
+    run_script,
+)
 from utils.cli import parse_config
 from utils.devices import DEVICE_AXIS
 from utils.driver import run_training
@@ -59,13 +64,6 @@ def tiny_dqn_args(tmp_path):
 
 def train(args):
     return run_training(parse_config(Config, PRESETS, args), make_train)
-
-
-def metric_table(run_dir, seed_index):
-    with open(os.path.join(run_dir, "metrics.csv"), newline="") as f:
-        rows = [r for r in csv.DictReader(f) if int(r["seed"]) == seed_index]
-    names = [k for k in rows[0] if k not in ("update", "env_steps", "seed")]
-    return np.array([[float(r[k]) for k in names] for r in rows])
 
 
 def checkpoint_state(run_dir):
@@ -373,26 +371,13 @@ def test_run_outputs_and_seeds_are_independent(tiny_dqn_args):
 
 
 def test_same_seed_same_numbers(tiny_dqn_args):
-    first = train(tiny_dqn_args)["run_dir"]
-    second = train(tiny_dqn_args)["run_dir"]
-    np.testing.assert_array_equal(metric_table(first, 0), metric_table(second, 0))
-    a, b = checkpoint_leaves(first), checkpoint_leaves(second)
-    for name in a:
-        np.testing.assert_array_equal(a[name], b[name])
+    assert_identical_runs(train(tiny_dqn_args)["run_dir"], train(tiny_dqn_args)["run_dir"])
 
 
 def test_vmapped_seed_equals_single_run(tiny_dqn_args):
     together = train([*tiny_dqn_args, "--seed", "1", "--num-seeds", "3"])
     alone = train([*tiny_dqn_args, "--seed", "2"])
-    assert together["eval_return_per_seed"][1] == alone["eval_return_per_seed"][0]
-    together, alone = together["run_dir"], alone["run_dir"]
-    # Batched and unbatched matmuls may round differently: equal up to float32 noise.
-    np.testing.assert_allclose(
-        metric_table(together, 1), metric_table(alone, 0), rtol=1e-4, atol=1e-6
-    )
-    a, b = checkpoint_leaves(together), checkpoint_leaves(alone)
-    for name in a:  # every leaf is [devices, seeds, ...]
-        np.testing.assert_allclose(a[name][:, 1], b[name][:, 0], rtol=1e-4, atol=1e-6)
+    assert_seed_matches_single_run(together, 1, alone)
 
 
 def test_two_devices_share_parameters_not_environments(tiny_dqn_args):
