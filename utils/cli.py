@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import sys
+from collections.abc import Callable
 
 import tyro
 
@@ -24,6 +25,10 @@ class RunConfig:
     """independent seeds trained at once in one compiled program (jax.vmap)"""
     num_devices: int = 0
     """devices to split the environments over (jax.pmap); 0 means all local devices"""
+    cpu_devices: int = 0
+    """on a CPU-only host, split the CPU into this many XLA devices (-1: one per core; the
+    process restarts itself once to apply it); 0 keeps JAX's single CPU device. Ignored on
+    GPU/TPU hosts"""
     track: bool = False
     """log to Weights & Biases (never contacted unless this is set)"""
     wandb_project_name: str = "purejaxrl"
@@ -71,7 +76,17 @@ def load_saved_config(run_dir: str) -> dict:
         return json.load(f)
 
 
-def parse_config(config_cls, presets: dict[str, dict], args: list[str] | None = None):
+def gymnax_preset_key(env: str) -> str:
+    """The preset of a gymnax env is its family: 'classic', 'minatar' or 'continuous'."""
+    return env_family(resolve_env_id(env))
+
+
+def parse_config(
+    config_cls,
+    presets: dict[str, dict],
+    args: list[str] | None = None,
+    preset_key: Callable[[str], str] = gymnax_preset_key,
+):
     """Parse argv into `config_cls`, with defaults from the env's preset or the resumed run.
 
     The preset is chosen before parsing, so `--env Breakout --help` shows Breakout's defaults
@@ -86,8 +101,7 @@ def parse_config(config_cls, presets: dict[str, dict], args: list[str] | None = 
         default = config_cls(**{k: v for k, v in saved.items() if k in names})
     else:
         env = _flag_value(args, "env") or config_cls.env
-        family = env_family(resolve_env_id(env))
-        default = config_cls(**{**presets.get(family, {}), "env": env})
+        default = config_cls(**{**presets.get(preset_key(env), {}), "env": env})
     config = tyro.cli(config_cls, default=default, args=args, description=config_cls.__doc__)
     if resume is not None:
         for field in dataclasses.fields(config_cls):

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from utils import checkpoint
-from utils.devices import DEVICE_AXIS, resolve_num_devices
+from utils.devices import DEVICE_AXIS, resolve_num_devices, split_cpu_host
 from utils.errors import ConfigError
 from utils.logs import MetricsCsv, WandbSink, read_metrics_csv
 from utils.plotting import plot_learning_curve
@@ -35,15 +35,21 @@ class Trainer:
     """What `make_train(config)` returns. Every function is pure and runs under the driver's
     `pmap(vmap(f), axis_name=DEVICE_AXIS)`, so it sees one seed on one device. Metrics must
     already be reduced over DEVICE_AXIS (psum/pmean): the driver logs device 0's copy, and it
-    reads `metrics["episode_return"]` for the progress bar and the summary."""
+    reads `metrics[headline_metric]` for the progress bar and the summary. NaN in a metric
+    means "nothing to report at this update" (no episode ended, no evaluation ran)."""
 
     algo: str
     env_id: str
     num_updates: int
-    steps_per_update: int  # env steps of one seed per update, all devices together
+    steps_per_update: int  # env steps (or moves) of one seed per update, all devices together
     init: Callable  # (key) -> state
     train_chunk: Callable  # (state, num_updates) -> (state, {metric: [num_updates]})
-    evaluate: Callable  # (state, key) -> episode returns [eval_episodes]; called unpmapped
+    # (state, key) -> episode returns [eval_episodes], called unpmapped after training; None when
+    # the trainer evaluates inside its chunks instead.
+    evaluate: Callable | None
+    headline_metric: str = "episode_return"  # the progress bar's number and the final return
+    step_unit: str = "steps"  # what steps_per_update counts, for the reports
+    updates_per_chunk: int | None = None  # a chunk length the algorithm needs (None: free)
 
     def train(self, key):
         """The whole run as one scan over updates: (final state, metrics [num_updates])."""
@@ -56,6 +62,20 @@ def auto_updates_per_chunk(num_updates: int) -> int:
     target = max(1, round(num_updates / CHUNKS_PER_RUN))
     divisors = [d for d in range(max(1, target // 2), 2 * target + 1) if num_updates % d == 0]
     return min(divisors, key=lambda d: abs(d - target)) if divisors else target
+
+
+def _over_seeds(f: Callable, num_seeds: int) -> Callable:
+    """`jax.vmap(f)` over the leading seed axis. A single seed runs unbatched and gets its axis
+    back: a size-1 vmap still batches every gather and scatter (mctx's tree updates, for
+    one), which cost AlphaZero self-play about 15% on CPU."""
+    if num_seeds > 1:
+        return jax.vmap(f)
+
+    def single_seed(*args):
+        out = f(*jax.tree.map(lambda x: x[0], args))
+        return jax.tree.map(lambda x: x[None], out)
+
+    return single_seed
 
 
 def check_run_config(config) -> None:
@@ -90,7 +110,7 @@ def _new_run_dir(config, trainer: Trainer) -> str:
 class _Progress:
     """A rich progress bar: updates done, latest mean return, steps/s and ETA."""
 
-    def __init__(self, enabled: bool, total: int, done: int, label: str):
+    def __init__(self, enabled: bool, total: int, done: int, label: str, trainer: Trainer):
         self.bar = None
         if not enabled:
             return
@@ -100,8 +120,8 @@ class _Progress:
             TextColumn("{task.description}"),
             BarColumn(),
             TextColumn("{task.completed}/{task.total} updates"),
-            TextColumn("return {task.fields[ret]}"),
-            TextColumn("{task.fields[sps]} steps/s"),
+            TextColumn(f"{trainer.headline_metric.replace('_', ' ')} {{task.fields[ret]}}"),
+            TextColumn(f"{{task.fields[sps]}} {trainer.step_unit}/s"),
             TextColumn("ETA"),
             TimeRemainingColumn(),
         )
@@ -110,7 +130,7 @@ class _Progress:
 
     def update(self, done: int, mean_return: float, steps_per_second: float):
         if self.bar is not None:
-            ret = "-" if math.isnan(mean_return) else f"{mean_return:.1f}"
+            ret = "-" if math.isnan(mean_return) else f"{mean_return:.3g}"
             self.bar.update(self.task, completed=done, ret=ret, sps=f"{steps_per_second:,.0f}")
 
     def close(self):
@@ -118,23 +138,38 @@ class _Progress:
             self.bar.stop()
 
 
-def _final_returns(csv_path: str, num_seeds: int, num_updates: int) -> list[float]:
-    """Per seed: mean training return over the last 10% of updates (episodes that ended)."""
-    columns = read_metrics_csv(csv_path)
+def _final_values(columns: dict, metric: str, num_seeds: int, num_updates: int) -> list[float]:
+    """Per seed: the metric's mean over the last 10% of updates (the updates that reported
+    it), or its last reported value if it was reported less often than that."""
     window_start = num_updates - max(1, num_updates // 10)
     finals = []
     for seed in range(num_seeds):
-        rows = (columns["seed"] == seed) & (columns["update"] > window_start)
-        values = columns["episode_return"][rows]
+        of_seed = columns["seed"] == seed
+        values = columns[metric][of_seed & (columns["update"] > window_start)]
         values = values[np.isfinite(values)]
+        if not values.size:
+            values = columns[metric][of_seed]
+            values = values[np.isfinite(values)][-1:]
         finals.append(float(values.mean()) if values.size else float("nan"))
     return finals
+
+
+def _last_reported(columns: dict, num_seeds: int) -> list[dict[str, float]]:
+    """Per seed: the last finite value of every metric (NaN if it never reported one)."""
+    names = [name for name in columns if name not in ("update", "env_steps", "seed")]
+    last = []
+    for seed in range(num_seeds):
+        of_seed = columns["seed"] == seed
+        finite = {name: columns[name][of_seed & np.isfinite(columns[name])] for name in names}
+        last.append({name: float(v[-1]) if v.size else float("nan") for name, v in finite.items()})
+    return last
 
 
 def run_training(config, make_train: Callable[..., Trainer]) -> dict:
     """Validate, build, train in chunks, evaluate and report. Returns the summary dict."""
     wall_start = time.perf_counter()
     check_run_config(config)
+    split_cpu_host(config.cpu_devices)  # may restart the process, so before anything is written
     config = dataclasses.replace(config, num_devices=resolve_num_devices(config.num_devices))
     trainer = make_train(config)  # raises ConfigError for bad algorithm flags, before compiling
     num_devices, num_seeds = config.num_devices, config.num_seeds
@@ -163,7 +198,11 @@ def run_training(config, make_train: Callable[..., Trainer]) -> dict:
         start_update = int(meta.pop("update"))
     previous = {k: meta[k] for k in ("train_seconds", "compile_seconds", "wall_seconds")}
 
-    chunk_len = config.updates_per_chunk or auto_updates_per_chunk(trainer.num_updates)
+    chunk_len = (
+        trainer.updates_per_chunk
+        or config.updates_per_chunk
+        or auto_updates_per_chunk(trainer.num_updates)
+    )
     compiled_chunks: dict[int, Callable] = {}
 
     def compiled_chunk(num_updates: int):
@@ -171,15 +210,19 @@ def run_training(config, make_train: Callable[..., Trainer]) -> dict:
         if num_updates not in compiled_chunks:
             chunk = functools.partial(trainer.train_chunk, num_updates=num_updates)
             start = time.perf_counter()
-            pmapped = jax.pmap(jax.vmap(chunk), axis_name=DEVICE_AXIS)
+            pmapped = jax.pmap(_over_seeds(chunk, num_seeds), axis_name=DEVICE_AXIS)
             compiled_chunks[num_updates] = pmapped.lower(state).compile()
             compile_seconds += time.perf_counter() - start
         return compiled_chunks[num_updates]
 
     csv_path = os.path.join(run_dir, "metrics.csv")
     metrics_csv = None
-    wandb_sink = WandbSink(config, run_dir, run_name) if config.track else None
-    progress = _Progress(config.progress, trainer.num_updates, start_update, trainer.env_id)
+    wandb_sink = (
+        WandbSink(config, run_dir, run_name, trainer.headline_metric) if config.track else None
+    )
+    progress = _Progress(
+        config.progress, trainer.num_updates, start_update, trainer.env_id, trainer
+    )
     steps_per_update = trainer.steps_per_update
     update, train_seconds, saved_update = start_update, 0.0, start_update
 
@@ -211,7 +254,7 @@ def run_training(config, make_train: Callable[..., Trainer]) -> dict:
                 checkpoint.save(checkpoint_dir, update, state, meta_now())
                 saved_update = update
             done_steps = (update - start_update) * steps_per_update * num_seeds
-            last_returns = metrics["episode_return"][:, -1]
+            last_returns = metrics[trainer.headline_metric][:, -1]
             mean_return = np.nanmean(last_returns) if np.isfinite(last_returns).any() else np.nan
             progress.update(update, mean_return, done_steps / max(train_seconds, 1e-9))
     except KeyboardInterrupt:
@@ -226,7 +269,7 @@ def run_training(config, make_train: Callable[..., Trainer]) -> dict:
     progress.close()
 
     eval_returns = [float("nan")] * num_seeds
-    if config.eval_episodes > 0:
+    if config.eval_episodes > 0 and trainer.evaluate is not None:
         first_device_state = jax.tree.map(lambda x: x[0], state)
         eval_keys = jax.vmap(lambda k: jax.random.fold_in(k, 1))(seed_keys)
         start = time.perf_counter()
@@ -236,7 +279,8 @@ def run_training(config, make_train: Callable[..., Trainer]) -> dict:
         compile_seconds += time.perf_counter() - start
         eval_returns = np.asarray(evaluate(first_device_state, eval_keys)).mean(axis=1).tolist()
 
-    final_returns = _final_returns(csv_path, num_seeds, trainer.num_updates)
+    columns = read_metrics_csv(csv_path)
+    final_returns = _final_values(columns, trainer.headline_metric, num_seeds, trainer.num_updates)
     totals = meta_now()
     steps_done = (trainer.num_updates - start_update) * steps_per_update * num_seeds
     steps_per_second = steps_done / max(train_seconds, 1e-9)
@@ -248,6 +292,7 @@ def run_training(config, make_train: Callable[..., Trainer]) -> dict:
         "num_devices": num_devices,
         "num_updates": trainer.num_updates,
         "env_steps_per_seed": trainer.num_updates * steps_per_update,
+        "headline_metric": trainer.headline_metric,
         "final_return_per_seed": final_returns,
         "final_return_mean": float(np.nanmean(final_returns)),
         "final_return_std": float(np.nanstd(final_returns)),
@@ -255,6 +300,8 @@ def run_training(config, make_train: Callable[..., Trainer]) -> dict:
         "eval_return_per_seed": eval_returns,
         "eval_return_mean": float(np.mean(eval_returns)),
         "eval_return_std": float(np.std(eval_returns)),
+        "final_metrics_per_seed": _last_reported(columns, num_seeds),
+        "step_unit": trainer.step_unit,
         "steps_per_second": steps_per_second,
         "steps_per_second_per_seed": steps_per_second / num_seeds,
         "compile_seconds": totals["compile_seconds"],
@@ -264,15 +311,24 @@ def run_training(config, make_train: Callable[..., Trainer]) -> dict:
     }
     _write_json(os.path.join(run_dir, "summary.json"), summary)
     plot_learning_curve(
-        csv_path, os.path.join(run_dir, "learning_curve.png"), f"{trainer.algo} {trainer.env_id}"
+        csv_path,
+        os.path.join(run_dir, "learning_curve.png"),
+        f"{trainer.algo} {trainer.env_id}",
+        trainer.headline_metric,
+        trainer.step_unit,
     )
     if wandb_sink is not None:
         wandb_sink.finish(summary)
-    evaluated = f"eval {summary['eval_return_mean']:.1f}, " if config.eval_episodes else ""
+    evaluated = (
+        f"eval {summary['eval_return_mean']:.1f}, "
+        if config.eval_episodes and trainer.evaluate is not None
+        else ""
+    )
+    headline = "return" if trainer.headline_metric == "episode_return" else trainer.headline_metric
     print(
-        f"{trainer.algo} {trainer.env_id}: final return {summary['final_return_mean']:.1f} "
-        f"± {summary['final_return_std']:.1f} over {num_seeds} seed(s), "
-        f"{evaluated}{steps_per_second:,.0f} steps/s, "
+        f"{trainer.algo} {trainer.env_id}: final {headline} {summary['final_return_mean']:.3g} "
+        f"± {summary['final_return_std']:.2g} over {num_seeds} seed(s), "
+        f"{evaluated}{steps_per_second:,.0f} {trainer.step_unit}/s, "
         f"compile {summary['compile_seconds']:.1f} s, wall {summary['wall_seconds']:.1f} s "
         f"-> {run_dir}"
     )

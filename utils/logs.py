@@ -55,9 +55,11 @@ def read_metrics_csv(path: str) -> dict[str, np.ndarray]:
 
 
 class WandbSink:
-    """One curve per seed for the episode return, plus the mean of every metric."""
+    """One curve per seed for the headline metric (the episode return unless the trainer says
+    otherwise), plus the mean of every metric."""
 
-    def __init__(self, config, run_dir: str, run_name: str):
+    def __init__(self, config, run_dir: str, run_name: str, headline_metric: str):
+        self.headline_metric = headline_metric
         import wandb  # imported only when tracking, so wandb is never needed otherwise
 
         self.run = wandb.init(
@@ -80,9 +82,9 @@ class WandbSink:
                 if finite.size:
                     row[f"{name}/mean"] = float(finite.mean())
             for seed in range(num_seeds):
-                value = float(metrics["episode_return"][seed, k])
+                value = float(metrics[self.headline_metric][seed, k])
                 if not math.isnan(value):
-                    row[f"episode_return/seed_{seed}"] = value
+                    row[f"{self.headline_metric}/seed_{seed}"] = value
             self.run.log(row, step=(first_update + k) * steps_per_update)
 
     def finish(self, summary: dict):
