@@ -1,0 +1,989 @@
+"""AlphaZero for two-player board games from pgx: self-play with MCTS (mctx), value and policy
+targets, an on-device replay buffer, SGD and evaluation, all in one compiled JAX program.
+
+    python purejaxrl_az.py --env tic_tac_toe          # perfect play in a few CPU minutes
+    python purejaxrl_az.py --env connect_four --cpu-devices 2
+    python purejaxrl_az.py --env othello --search puct --temperature 1.0
+
+The pgx environment is the search's perfect model: `recurrent_fn` steps the real game. Gumbel
+MuZero's policy improvement (Danihelka et al., 2022) is the default search, since it improves the
+policy even with few simulations; `--search puct` is AlphaZero's PUCT with Dirichlet noise.
+
+Read top to bottom: Config and per-game presets, the supported games and their board
+symmetries, the network, the pure pieces (masked priors, search, value targets, replay buffer,
+loss, evaluation opponents, Elo), then `make_train`, whose `_iteration` is one AlphaZero
+iteration: every game plays `rollout_steps` searched moves into the buffer -> value targets are
+recomputed over the buffer -> `updates_per_iteration` SGD steps. Every `eval_every` iterations
+the chunk ends with greedy-search games against a random player, a plain MCTS player and, for
+tic_tac_toe, a perfect minimax player.
+
+Conventions for two-player zero-sum games, as pgx defines them: players alternate (a pass is a
+move), `state.rewards[p]` is player p's reward, observations are from the mover's side. The
+search therefore uses discount -1 between plies, rewards from the mover's perspective, and
+value 0 with discount 0 at and past the end of a game.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Literal, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import mctx
+import numpy as np
+import optax
+import pgx
+
+from utils.cli import RunConfig, exit_on_config_error, parse_config, require_positive
+from utils.devices import DEVICE_AXIS
+from utils.driver import Trainer, run_training
+from utils.errors import ConfigError
+from utils.layers import Conv3x3
+
+
+@dataclasses.dataclass
+class Config(RunConfig):
+    """AlphaZero (Gumbel MuZero search by default) on pgx two-player board games, compiled end to
+    end with JAX."""
+
+    env: str = "tic_tac_toe"
+    """pgx game id: tic_tac_toe, connect_four, othello, hex, go_9x9, go_19x19, animal_shogi,
+    gardner_chess, chess, shogi. Each game has its own preset defaults"""
+    num_iterations: int = 100
+    """AlphaZero iterations (self-play window + SGD steps) per seed"""
+    num_games: int = 256
+    """games played side by side per seed, split across devices; unfinished games carry over
+    to the next iteration"""
+    rollout_steps: int = 16
+    """moves every game makes per iteration"""
+    buffer_size: int = 16_384
+    """replay buffer size in positions per seed (rounded down to a multiple of --num-games)"""
+    updates_per_iteration: int = 8
+    """SGD steps per iteration"""
+    minibatch_size: int = 512
+    """positions per SGD step (all devices together), sampled uniformly from the buffer's
+    positions that have a value target"""
+    learning_rate: float = 1e-3
+    """Adam learning rate"""
+    weight_decay: float = 1e-4
+    """L2 penalty on all parameters, added to the loss (AlphaZero's c)"""
+    num_blocks: int = 2
+    """residual blocks of the ResNet"""
+    num_channels: int = 32
+    """channels of every convolution"""
+    batch_norm: bool = True
+    """BatchNorm in the ResNet (running statistics are used for search, batch ones in SGD)"""
+    search: Literal["gumbel", "puct"] = "gumbel"
+    """gumbel: Gumbel MuZero policy (sequential halving, improved-policy targets); puct:
+    AlphaZero's PUCT (Dirichlet noise at the root, visit-count targets)"""
+    num_simulations: int = 32
+    """MCTS simulations per move in self-play and for the agent in evaluation"""
+    max_num_considered_actions: int = 16
+    """gumbel: actions sampled at the root for sequential halving"""
+    gumbel_scale: float = 1.0
+    """gumbel: scale of the Gumbel noise that explores in self-play (0 is greedy)"""
+    temperature: float = 1.0
+    """puct: self-play moves are sampled from visit counts ** (1 / temperature)"""
+    dirichlet_alpha: float = 0.3
+    """puct: Dirichlet noise concentration at the root"""
+    dirichlet_fraction: float = 0.25
+    """puct: share of Dirichlet noise in the root prior"""
+    value_target: Literal["outcome", "td-lambda"] = "outcome"
+    """outcome: the game's final result for the player to move (AlphaZero); td-lambda: the
+    lambda-return of rewards and the search values of later positions"""
+    td_lambda: float = 0.9
+    """td-lambda: weight of longer returns (1: the outcome, bootstrapping only at the buffer's
+    newest position; 0: one ply and the next position's search value)"""
+    augment: bool = True
+    """train on a random board symmetry of each position (connect_four: mirror; tic_tac_toe,
+    othello, go: the 8 rotations and reflections; hex: 180-degree rotation; none for chess-like
+    games)"""
+    eval_every: int = 10
+    """iterations between evaluations; a compiled chunk ends with one, so logging and
+    checkpoints happen at the same points"""
+    eval_episodes: int = 64
+    """evaluation games per opponent, half with the agent moving first"""
+    baseline_sims: int = 64
+    """simulations of the plain MCTS opponent (uniform priors, random-rollout values)"""
+    cpu_devices: int = -1
+    """on a CPU-only host, split the CPU into this many XLA devices, games split over them
+    (-1: one per core, 2.1-2.3x the moves/s of one device on 2 cores; 0: JAX's single CPU
+    device). Ignored on GPU/TPU hosts"""
+
+
+# Defaults per game; any flag overrides them. Small games get a small network and many games
+# at once; the CPU throughput figures in the README use these.
+PRESETS = {
+    "tic_tac_toe": {},
+    "connect_four": dict(
+        num_iterations=300,
+        num_games=128,
+        rollout_steps=32,
+        buffer_size=32_768,
+        eval_every=20,
+    ),
+    **{
+        game: dict(
+            num_iterations=300,
+            num_games=128,
+            rollout_steps=32,
+            buffer_size=65_536,
+            num_blocks=4,
+            num_channels=64,
+            eval_every=20,
+            eval_episodes=32,
+        )
+        for game in ("othello", "hex", "go_9x9", "animal_shogi", "gardner_chess")
+    },
+}
+
+
+class HyperParams(NamedTuple):
+    """Hyperparameters that change no array shape. They travel in the training state as
+    arrays rather than being baked into the program as constants."""
+
+    learning_rate: jax.Array
+    weight_decay: jax.Array
+    gumbel_scale: jax.Array
+    temperature: jax.Array
+    dirichlet_alpha: jax.Array
+    dirichlet_fraction: jax.Array
+    td_lambda: jax.Array
+
+
+# ---------------------------------------------------------------------------------------------
+# Games and their board symmetries
+# ---------------------------------------------------------------------------------------------
+
+# Two-player, zero-sum, perfect-information, deterministic: the games where the pgx simulator
+# can be the search's model and players alternate.
+SUPPORTED_GAMES = (
+    "tic_tac_toe",
+    "connect_four",
+    "othello",
+    "hex",
+    "go_9x9",
+    "go_19x19",
+    "animal_shogi",
+    "gardner_chess",
+    "chess",
+    "shogi",
+)
+
+
+def resolve_game(name: str) -> str:
+    """The pgx id of a supported game (any case, '-' for '_'), or a ConfigError listing them."""
+    game = name.lower().replace("-", "_")
+    if game in SUPPORTED_GAMES:
+        return game
+    reason = (
+        " (a pgx game, but not a two-player deterministic perfect-information one, which this "
+        "AlphaZero needs)"
+        if game in pgx.available_envs()
+        else ""
+    )
+    raise ConfigError(f"unknown game {name!r}{reason}; valid games: {', '.join(SUPPORTED_GAMES)}")
+
+
+def _dihedral(x, k: int):
+    """The k-th of the 8 rotations/reflections of the board in axes (0, 1) of x."""
+    x = jnp.rot90(x, k % 4, axes=(0, 1))
+    return jnp.swapaxes(x, 0, 1) if k >= 4 else x
+
+
+# Per game: the board transforms (functions on arrays whose first two axes are the board) and
+# the shape of the grid that board actions index in row-major order; actions past the grid
+# (pass, swap) are fixed by every symmetry.
+SYMMETRIES = {
+    "tic_tac_toe": ([functools.partial(_dihedral, k=k) for k in range(8)], (3, 3)),
+    "othello": ([functools.partial(_dihedral, k=k) for k in range(8)], (8, 8)),
+    "go_9x9": ([functools.partial(_dihedral, k=k) for k in range(8)], (9, 9)),
+    "go_19x19": ([functools.partial(_dihedral, k=k) for k in range(8)], (19, 19)),
+    # Gravity: only the left-right mirror. Actions are columns, a 1-row grid.
+    "connect_four": ([lambda x: x, lambda x: jnp.flip(x, 1)], (1, 7)),
+    # Each player's two edges stay theirs only under the half turn.
+    "hex": ([lambda x: x, functools.partial(_dihedral, k=2)], (11, 11)),
+}
+
+
+def action_permutations(game: str, num_actions: int) -> np.ndarray:
+    """[num_symmetries, num_actions] int: under symmetry k, new_policy = policy[perm[k]]. The
+    transform moves board cells, so the grid of cell indices, transformed, says for every new
+    cell which old cell it came from."""
+    transforms, grid_shape = SYMMETRIES.get(game, ([lambda x: x], None))
+    if grid_shape is None:
+        return np.arange(num_actions)[None]
+    num_cells = grid_shape[0] * grid_shape[1]
+    grid = jnp.arange(num_cells).reshape(grid_shape)
+    extra = np.arange(num_cells, num_actions)
+    return np.stack([np.concatenate([np.asarray(t(grid)).ravel(), extra]) for t in transforms])
+
+
+def augment_position(game: str, perms: np.ndarray, k, obs, legal, policy):
+    """Symmetry k (traced) applied consistently to one position's observation, legal mask and
+    policy target."""
+    transforms, _ = SYMMETRIES.get(game, ([lambda x: x], None))
+    obs = jax.lax.switch(k, transforms, obs)
+    perm = jnp.asarray(perms)[k]
+    return obs, legal[perm], policy[perm]
+
+
+# ---------------------------------------------------------------------------------------------
+# Network
+# ---------------------------------------------------------------------------------------------
+
+
+class ResNet(nn.Module):
+    """AlphaZero's network, pre-activation (v2) residual blocks: 3x3 conv stem, blocks of
+    (norm, relu, conv) x 2, then a policy head (1x1 conv to 2 channels, dense to logits) and a
+    tanh value head (1x1 conv to 1 channel, dense, dense to 1). 1x1 convs are Dense layers;
+    3x3 ones are `Conv3x3` (utils/layers.py), nn.Conv computed the way that is fastest here."""
+
+    num_actions: int
+    num_blocks: int
+    num_channels: int
+    batch_norm: bool
+    conv_as_matmul: bool = True  # see utils/layers.py: True when seeds are vmapped
+
+    @nn.compact
+    def __call__(self, obs, train: bool = False):
+        def norm(x):
+            if not self.batch_norm:
+                return x
+            return nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
+
+        def conv(x):
+            return Conv3x3(self.num_channels, self.conv_as_matmul)(x)
+
+        x = conv(obs.astype(jnp.float32))
+        for _ in range(self.num_blocks):
+            x = x + conv(nn.relu(norm(conv(nn.relu(norm(x))))))
+        x = nn.relu(norm(x))
+        batch_shape = x.shape[:-3]
+
+        policy = nn.relu(norm(nn.Dense(2)(x)))
+        logits = nn.Dense(self.num_actions)(policy.reshape(*batch_shape, -1))
+
+        value = nn.relu(norm(nn.Dense(1)(x)))
+        value = nn.relu(nn.Dense(self.num_channels)(value.reshape(*batch_shape, -1)))
+        value = jnp.tanh(nn.Dense(1)(value))[..., 0]
+        return logits, value
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure pieces: priors, search, value targets, replay buffer, loss, evaluation
+# ---------------------------------------------------------------------------------------------
+
+ILLEGAL_LOGIT = (
+    -1e9
+)  # exp() of it is exactly 0 in float32, and no -inf reaches a gradient; the best legal logit is 0
+
+
+def masked_logits(logits, legal):
+    """Logits with illegal actions at ILLEGAL_LOGIT. This is the only place priors are masked,
+    and they stay logits: mctx applies the one softmax."""
+    logits = jnp.where(legal, logits, ILLEGAL_LOGIT)
+    return jnp.where(legal, logits - jnp.max(logits, axis=-1, keepdims=True), ILLEGAL_LOGIT)
+
+
+def make_recurrent_fn(env, evaluate_position):
+    """mctx's model step with the real game: `evaluate_position(params, key, state) -> (logits,
+    value)` values the position after the move from the new mover's side. Reward is the mover's;
+    discount -1 between the two players; at and past the end of a game value 0 and discount 0,
+    so nothing behind a finished game reaches the search's values (pgx leaves a finished state
+    unchanged with zero rewards)."""
+
+    def recurrent_fn(params, key, action, state):
+        mover = state.current_player
+        state = jax.vmap(env.step)(state, action)
+        logits, value = evaluate_position(params, key, state)
+        done = state.terminated | state.truncated
+        output = mctx.RecurrentFnOutput(
+            reward=state.rewards[jnp.arange(action.shape[0]), mover],
+            discount=jnp.where(done, 0.0, -1.0),
+            prior_logits=masked_logits(logits, state.legal_action_mask),
+            value=jnp.where(done, 0.0, value),
+        )
+        return output, state
+
+    return recurrent_fn
+
+
+def run_search(
+    search: str,
+    params,
+    key,
+    state,
+    root_logits,
+    root_value,
+    recurrent_fn,
+    num_simulations: int,
+    max_num_considered_actions: int,
+    gumbel_scale,
+    temperature,
+    dirichlet_alpha,
+    dirichlet_fraction,
+) -> mctx.PolicyOutput:
+    """One batched search from the positions `state`. Illegal moves are masked in the root
+    prior and excluded by `invalid_actions`, so the chosen action is always legal."""
+    root = mctx.RootFnOutput(
+        prior_logits=masked_logits(root_logits, state.legal_action_mask),
+        value=root_value,
+        embedding=state,
+    )
+    common = dict(
+        params=params,
+        rng_key=key,
+        root=root,
+        recurrent_fn=recurrent_fn,
+        num_simulations=num_simulations,
+        invalid_actions=~state.legal_action_mask,
+    )
+    if search == "gumbel":
+        return mctx.gumbel_muzero_policy(
+            **common,
+            max_num_considered_actions=max_num_considered_actions,
+            gumbel_scale=gumbel_scale,
+        )
+    return mctx.muzero_policy(
+        **common,
+        dirichlet_alpha=dirichlet_alpha,
+        dirichlet_fraction=dirichlet_fraction,
+        temperature=temperature,
+    )
+
+
+def value_targets(reward, terminated, truncated, search_value, written, td_lambda, outcome: bool):
+    """Value targets for positions in time order, from the side of the player to move.
+
+    Inputs are [time, games], oldest first; `written` [time] marks rows that hold data (the
+    newest written row is the last one). Row t is a position, the move played from it, the
+    mover's reward and whether the game ended (terminated, or truncated by a move limit).
+
+    - outcome: G_t = r_t if the game terminated after move t, else r_t - G_{t+1} (the next
+      position belongs to the opponent). A truncated game has no result, so its last position
+      bootstraps from its own search value. Positions of games still running at the newest
+      row have no target yet (known = False); the next recomputation fills them in.
+    - td-lambda: G_t = r_t - ((1 - lambda) v_{t+1} + lambda G_{t+1}) with v the search values,
+      and G_{t+1} := v_{t+1} at the newest row; only the newest row of a running game waits.
+
+    Returns (targets, known), both [time, games].
+    """
+
+    def _backward(carry, row):
+        next_target, next_known, next_value, next_written = carry
+        r, term, trunc, v, is_written = row
+        if outcome:
+            continued, continued_known = r - next_target, next_known
+        else:
+            bootstrap = jnp.where(next_known, next_target, next_value)
+            continued = r - ((1.0 - td_lambda) * next_value + td_lambda * bootstrap)
+            continued_known = jnp.broadcast_to(next_written, r.shape)
+        target = jnp.where(term, r, jnp.where(trunc, v, continued))
+        known = is_written & (term | trunc | continued_known)
+        return (target, known, v, is_written), (target, known)
+
+    num_games = reward.shape[1]
+    zeros = jnp.zeros(num_games, jnp.float32)
+    init = (zeros, jnp.zeros(num_games, bool), zeros, jnp.bool_(False))
+    rows = (reward, terminated, truncated, search_value, written)
+    _, (targets, known) = jax.lax.scan(_backward, init, rows, reverse=True)
+    return targets, known
+
+
+class Position(NamedTuple):
+    """One searched position of self-play, as stored in the replay buffer."""
+
+    obs: jax.Array  # [..., *obs_shape] as pgx gives it (bool or float32)
+    legal: jax.Array  # [..., num_actions] bool
+    policy: jax.Array  # [..., num_actions] the search's action weights: the policy target
+    reward: jax.Array  # [...] the mover's reward for the move played
+    terminated: jax.Array  # [...] bool: the game ended with a result after this move
+    truncated: jax.Array  # [...] bool: the game was cut off by a move limit after this move
+    search_value: jax.Array  # [...] the search's root value, from the mover's side
+
+
+class ReplayBuffer(NamedTuple):
+    """The last `rows` moves of every game: rows are time, columns are games, so each column
+    holds consecutive positions of its games and value targets can be computed in place. A
+    ring: `next_row` is where the next move goes, `size` how many rows hold data."""
+
+    data: Position  # leaves [rows, games, ...]
+    targets: jax.Array  # [rows, games] value targets, valid where known
+    known: jax.Array  # [rows, games] bool
+    next_row: jax.Array  # int32
+    size: jax.Array  # int32
+
+
+def buffer_init(example: Position, rows: int) -> ReplayBuffer:
+    """An empty buffer for `rows` moves of games shaped like `example` (leaves [games, ...])."""
+    data = jax.tree.map(lambda x: jnp.zeros((rows, *x.shape), x.dtype), example)
+    num_games = example.reward.shape[0]
+    return ReplayBuffer(
+        data=data,
+        targets=jnp.zeros((rows, num_games), jnp.float32),
+        known=jnp.zeros((rows, num_games), bool),
+        next_row=jnp.int32(0),
+        size=jnp.int32(0),
+    )
+
+
+def buffer_add(buffer: ReplayBuffer, moves: Position) -> ReplayBuffer:
+    """Append moves (leaves [steps, games, ...]) at the ring's head, overwriting the oldest."""
+    rows = buffer.known.shape[0]
+    steps = moves.reward.shape[0]
+    index = (buffer.next_row + jnp.arange(steps)) % rows
+    data = jax.tree.map(lambda store, new: store.at[index].set(new), buffer.data, moves)
+    return buffer._replace(
+        data=data,
+        next_row=(buffer.next_row + steps) % rows,
+        size=jnp.minimum(buffer.size + steps, rows),
+    )
+
+
+def buffer_update_targets(buffer: ReplayBuffer, td_lambda, outcome: bool) -> ReplayBuffer:
+    """Recompute every value target in time order: games that ended since the last call get
+    targets for all their stored positions, including those from earlier iterations."""
+    rows = buffer.known.shape[0]
+    order = (buffer.next_row - buffer.size + jnp.arange(rows)) % rows  # oldest first
+    written = jnp.arange(rows) < buffer.size
+    d = jax.tree.map(lambda x: x[order], buffer.data)
+    targets, known = value_targets(
+        d.reward, d.terminated, d.truncated, d.search_value, written, td_lambda, outcome
+    )
+    return buffer._replace(
+        targets=buffer.targets.at[order].set(targets), known=buffer.known.at[order].set(known)
+    )
+
+
+def buffer_sample(buffer: ReplayBuffer, key, batch_size: int):
+    """Uniform sample, with replacement, of positions that have a value target: (Position
+    leaves [batch, ...], targets [batch], weights [batch]; weights are 0 only while no position
+    has a target yet)."""
+    # Inverse-CDF sampling over the known positions: O(buffer + batch log buffer), where a
+    # categorical draw would make batch x buffer Gumbel numbers.
+    cdf = jnp.cumsum(buffer.known.reshape(-1).astype(jnp.float32))
+    point = jax.random.uniform(key, (batch_size,)) * cdf[-1]
+    index = jnp.minimum(jnp.searchsorted(cdf, point, side="right"), cdf.shape[0] - 1)
+
+    def take(x):  # [rows, games, ...] -> [batch, ...]
+        return x.reshape(-1, *x.shape[2:])[index]
+
+    return (
+        jax.tree.map(take, buffer.data),
+        take(buffer.targets),
+        take(buffer.known).astype(jnp.float32),
+    )
+
+
+def az_loss(logits, value, legal, policy_target, value_target, weights):
+    """Policy cross-entropy against the search's action weights (illegal moves excluded) and
+    value mean squared error; `weights` mask samples. Returns (policy_loss, value_loss)."""
+    log_probs = jax.nn.log_softmax(masked_logits(logits, legal))
+    cross_entropy = -jnp.sum(jnp.where(legal, policy_target * log_probs, 0.0), axis=-1)
+    count = jnp.maximum(weights.sum(), 1.0)
+    policy_loss = jnp.sum(weights * cross_entropy) / count
+    value_loss = jnp.sum(weights * jnp.square(value - value_target)) / count
+    return policy_loss, value_loss
+
+
+def random_rollout_value(env, state, key):
+    """The result of playing uniformly random legal moves to the end of the game, from the side
+    of `state`'s player to move (0 for positions that are already over). Batched states."""
+    batch = state.current_player.shape[0]
+    player = state.current_player
+
+    def _not_done(carry):
+        state, _, _ = carry
+        return ~jnp.all(state.terminated | state.truncated)
+
+    def _random_move(carry):
+        state, key, total = carry
+        key, move_key = jax.random.split(key)
+        logits = jnp.where(state.legal_action_mask, 0.0, -jnp.inf)
+        action = jax.random.categorical(move_key, logits)
+        state = jax.vmap(env.step)(state, action)  # finished games stay as they are
+        return state, key, total + state.rewards[jnp.arange(batch), player]
+
+    _, _, total = jax.lax.while_loop(_not_done, _random_move, (state, key, jnp.zeros(batch)))
+    return total
+
+
+def solve_tic_tac_toe() -> np.ndarray:
+    """Exact minimax action values of every tic_tac_toe position, from the mover's side:
+    [3**9, 9] int8, +1 win / 0 draw / -1 loss with perfect play, -2 for occupied cells. A
+    position's index is sum(cell * 3**i) over the cells in row-major order, with cell 0 empty,
+    1 the mover's mark and 2 the opponent's."""
+    lines = [(0, 1, 2), (3, 4, 5), (6, 7, 8), (0, 3, 6), (1, 4, 7), (2, 5, 8), (0, 4, 8), (2, 4, 6)]
+    table = np.full((3**9, 9), -2, np.int8)
+
+    @functools.cache
+    def action_values(board: tuple[int, ...]) -> tuple[int, ...]:
+        values = []
+        for cell in range(9):
+            if board[cell]:
+                values.append(-2)
+                continue
+            after = (*board[:cell], 1, *board[cell + 1 :])
+            if any(all(after[i] == 1 for i in line) for line in lines):
+                values.append(1)
+            elif all(after):
+                values.append(0)
+            else:  # the opponent moves next, with the marks seen from their side
+                flipped = tuple((3 - c) % 3 for c in after)
+                values.append(-max(action_values(flipped)))
+        table[sum(c * 3**i for i, c in enumerate(board))] = values
+        return tuple(values)
+
+    action_values((0,) * 9)
+    return table
+
+
+def tic_tac_toe_index(obs):
+    """Index into `solve_tic_tac_toe()` of pgx tic_tac_toe observations [..., 3, 3, 2] (channel
+    0: the mover's marks, 1: the opponent's)."""
+    cells = (obs[..., 0].astype(jnp.int32) + 2 * obs[..., 1].astype(jnp.int32)).reshape(
+        *obs.shape[:-3], 9
+    )
+    return jnp.sum(cells * (3 ** jnp.arange(9)), axis=-1)
+
+
+def elo_estimate(wins, draws, losses):
+    """Elo difference to the opponent from game counts, with a 95% interval from the score's
+    standard error. Scores are clipped half a game from 0 and 1 so that a clean sweep stays
+    finite. Returns (elo, low, high)."""
+    games = jnp.maximum(wins + draws + losses, 1.0)
+    score = (wins + 0.5 * draws) / games
+    variance = (wins + 0.25 * draws) / games - score**2
+    margin = 1.96 * jnp.sqrt(jnp.maximum(variance, 0.0) / games)
+    clip = 0.5 / games
+
+    def elo(s):
+        s = jnp.clip(s, clip, 1.0 - clip)
+        return 400.0 * jnp.log10(s / (1.0 - s))
+
+    return elo(score), elo(score - margin), elo(score + margin)
+
+
+# ---------------------------------------------------------------------------------------------
+# Training
+# ---------------------------------------------------------------------------------------------
+
+
+class TrainState(NamedTuple):
+    params: dict
+    batch_stats: dict  # BatchNorm running statistics ({} without BatchNorm)
+    opt_state: optax.OptState
+    hparams: HyperParams
+    buffer: ReplayBuffer
+    games: pgx.State  # the games in progress, [games per device]
+    game_length: jax.Array  # [games per device] moves played in each game so far
+    key: jax.Array
+    iteration: jax.Array  # int32
+
+
+def make_train(config: Config) -> Trainer:
+    game = resolve_game(config.env)
+    require_positive(
+        config,
+        "num_iterations",
+        "num_games",
+        "rollout_steps",
+        "buffer_size",
+        "updates_per_iteration",
+        "minibatch_size",
+        "num_blocks",
+        "num_channels",
+        "num_simulations",
+        "max_num_considered_actions",
+        "eval_every",
+        "baseline_sims",
+    )
+    if config.learning_rate <= 0 or config.weight_decay < 0:
+        raise ConfigError(
+            f"--learning-rate must be > 0 and --weight-decay >= 0, got {config.learning_rate} "
+            f"and {config.weight_decay}"
+        )
+    if not 0.0 <= config.td_lambda <= 1.0:
+        raise ConfigError(f"--td-lambda must be in [0, 1], got {config.td_lambda}")
+    if config.updates_per_chunk not in (0, config.eval_every):
+        raise ConfigError(
+            f"--updates-per-chunk {config.updates_per_chunk}: AlphaZero's chunks are "
+            f"--eval-every ({config.eval_every}) iterations long, each ending in an evaluation; "
+            "set --eval-every instead"
+        )
+    num_devices = config.num_devices
+    for name in ("num_games", "minibatch_size"):
+        if getattr(config, name) % num_devices:
+            raise ConfigError(
+                f"--{name.replace('_', '-')} {getattr(config, name)} is not divisible by the "
+                f"{num_devices} devices"
+            )
+    if config.eval_episodes % (2 * num_devices):
+        raise ConfigError(
+            f"--eval-episodes {config.eval_episodes} must split evenly into both seats on "
+            f"{num_devices} device(s): use a multiple of {2 * num_devices}"
+        )
+    buffer_rows = config.buffer_size // config.num_games  # moves kept of each game slot
+    if buffer_rows < config.rollout_steps:
+        raise ConfigError(
+            f"--buffer-size {config.buffer_size} keeps only {buffer_rows} moves of each of the "
+            f"{config.num_games} games, fewer than one iteration's --rollout-steps "
+            f"{config.rollout_steps}"
+        )
+
+    env = pgx.make(game)
+    num_actions = env.num_actions
+    games_per_device = config.num_games // num_devices
+    minibatch_per_device = config.minibatch_size // num_devices
+    eval_games_per_device = config.eval_episodes // num_devices
+    outcome_targets = config.value_target == "outcome"
+    perms = (
+        action_permutations(game, num_actions) if config.augment else np.arange(num_actions)[None]
+    )
+    oracle_table = jnp.asarray(solve_tic_tac_toe()) if game == "tic_tac_toe" else None
+    # One set of parameters, two ways to compute the convolutions (utils/layers.py): search
+    # runs XLA's convolution, but SGD, and anything with vmapped seeds, the matmul form. On CPU
+    # XLA's convolution made self-play about 10% faster and SGD about 20x slower here.
+    network = ResNet(
+        num_actions,
+        config.num_blocks,
+        config.num_channels,
+        config.batch_norm,
+        conv_as_matmul=config.num_seeds > 1,
+    )
+    learner = network.clone(conv_as_matmul=True)
+
+    def evaluate_with_network(variables, key, state):
+        return network.apply(variables, state.observation)
+
+    recurrent_fn = make_recurrent_fn(env, evaluate_with_network)
+
+    def search_moves(variables, hp: HyperParams, key, state, greedy: bool):
+        """The agent's search from the positions `state`; greedy turns all exploration off."""
+        logits, value = network.apply(variables, state.observation)
+        zero = jnp.float32(0.0)
+        return run_search(
+            config.search,
+            variables,
+            key,
+            state,
+            logits,
+            value,
+            recurrent_fn,
+            config.num_simulations,
+            config.max_num_considered_actions,
+            gumbel_scale=zero if greedy else hp.gumbel_scale,
+            temperature=zero if greedy else hp.temperature,
+            dirichlet_alpha=hp.dirichlet_alpha,
+            dirichlet_fraction=zero if greedy else hp.dirichlet_fraction,
+        )
+
+    def new_games(key, num_games: int):
+        return jax.vmap(env.init)(jax.random.split(key, num_games))
+
+    def init(key) -> TrainState:
+        hp = HyperParams(*(jnp.float32(getattr(config, f)) for f in HyperParams._fields))
+        params_key, run_key = jax.random.split(key)
+        # Same parameters on every device; games, search noise and sampling differ.
+        run_key = jax.random.fold_in(run_key, jax.lax.axis_index(DEVICE_AXIS))
+        games_key, run_key = jax.random.split(run_key)
+        games = new_games(games_key, games_per_device)
+        variables = network.init(params_key, games.observation, train=False)
+        zeros = jnp.zeros(games_per_device, jnp.float32)
+        never = jnp.zeros(games_per_device, bool)
+        example = Position(
+            obs=games.observation,
+            legal=games.legal_action_mask,
+            policy=jnp.zeros((games_per_device, num_actions), jnp.float32),
+            reward=zeros,
+            terminated=never,
+            truncated=never,
+            search_value=zeros,
+        )
+        return TrainState(
+            params=variables["params"],
+            batch_stats=variables.get("batch_stats", {}),
+            opt_state=optax.adam(hp.learning_rate).init(variables["params"]),
+            hparams=hp,
+            buffer=buffer_init(example, buffer_rows),
+            games=games,
+            game_length=jnp.zeros(games_per_device, jnp.int32),
+            key=run_key,
+            iteration=jnp.int32(0),
+        )
+
+    def variables_of(state: TrainState) -> dict:
+        if config.batch_norm:
+            return {"params": state.params, "batch_stats": state.batch_stats}
+        return {"params": state.params}
+
+    def _iteration(state: TrainState, _):
+        hp = state.hparams
+        variables = variables_of(state)
+
+        # 1. Self-play: every game makes rollout_steps searched moves with the current network;
+        # finished games restart at once, unfinished ones carry over to the next iteration.
+        def _selfplay_move(carry, key):
+            games, game_length = carry
+            search_key, reset_key = jax.random.split(key)
+            output = search_moves(variables, hp, search_key, games, greedy=False)
+            mover = games.current_player
+            after = jax.vmap(env.step)(games, output.action)
+            done = after.terminated | after.truncated
+            position = Position(
+                obs=games.observation,
+                legal=games.legal_action_mask,
+                policy=output.action_weights,
+                reward=after.rewards[jnp.arange(games_per_device), mover],
+                terminated=after.terminated,
+                truncated=after.truncated & ~after.terminated,
+                search_value=output.search_tree.node_values[:, mctx.Tree.ROOT_INDEX],
+            )
+            length = game_length + 1
+            ended = (done, length, after.terminated & jnp.all(after.rewards == 0, axis=-1))
+            fresh = new_games(reset_key, games_per_device)
+            games = jax.tree.map(
+                lambda new, old: jnp.where(done.reshape(-1, *[1] * (old.ndim - 1)), new, old),
+                fresh,
+                after,
+            )
+            return (games, jnp.where(done, 0, length)), (position, ended)
+
+        key, selfplay_key, sgd_key = jax.random.split(state.key, 3)
+        (games, game_length), (moves, (done, length, draw)) = jax.lax.scan(
+            _selfplay_move,
+            (state.games, state.game_length),
+            jax.random.split(selfplay_key, config.rollout_steps),
+        )
+
+        # 2. Targets: the window's moves go into the buffer, and value targets are recomputed
+        # over all of it, so games that ended in this window complete earlier positions too.
+        buffer = buffer_add(state.buffer, moves)
+        buffer = buffer_update_targets(buffer, hp.td_lambda, outcome_targets)
+
+        # 3. Learn: updates_per_iteration SGD steps on uniform samples of positions with a
+        # target, each seen through a random board symmetry.
+        def _sgd_step(carry, key):
+            params, batch_stats, opt_state = carry
+            sample_key, symmetry_key = jax.random.split(key)
+            batch, targets, weights = buffer_sample(buffer, sample_key, minibatch_per_device)
+            symmetry = jax.random.randint(symmetry_key, (minibatch_per_device,), 0, len(perms))
+            obs, legal, policy = jax.vmap(functools.partial(augment_position, game, perms))(
+                symmetry, batch.obs, batch.legal, batch.policy
+            )
+
+            def _loss(params):
+                variables = {"params": params}
+                if config.batch_norm:
+                    variables["batch_stats"] = batch_stats
+                    (logits, value), updated = learner.apply(
+                        variables, obs, train=True, mutable=["batch_stats"]
+                    )
+                    new_stats = updated["batch_stats"]
+                else:
+                    logits, value = learner.apply(variables, obs, train=True)
+                    new_stats = batch_stats
+                policy_loss, value_loss = az_loss(logits, value, legal, policy, targets, weights)
+                l2 = sum(jnp.sum(jnp.square(p)) for p in jax.tree.leaves(params))
+                loss = policy_loss + value_loss + hp.weight_decay * l2
+                return loss, (new_stats, policy_loss, value_loss)
+
+            grads, (batch_stats, policy_loss, value_loss) = jax.grad(_loss, has_aux=True)(params)
+            grads = jax.lax.pmean(grads, DEVICE_AXIS)
+            # Every device normalises its own samples; averaging the running statistics keeps
+            # the devices' networks identical.
+            batch_stats = jax.lax.pmean(batch_stats, DEVICE_AXIS)
+            updates, opt_state = optax.adam(hp.learning_rate).update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+            return (params, batch_stats, opt_state), (policy_loss, value_loss)
+
+        (params, batch_stats, opt_state), (policy_loss, value_loss) = jax.lax.scan(
+            _sgd_step,
+            (state.params, state.batch_stats, state.opt_state),
+            jax.random.split(sgd_key, config.updates_per_iteration),
+        )
+        state = state._replace(
+            params=params,
+            batch_stats=batch_stats,
+            opt_state=opt_state,
+            buffer=buffer,
+            games=games,
+            game_length=game_length,
+            key=key,
+            iteration=state.iteration + 1,
+        )
+
+        # 4. Metrics, reduced over devices: self-play games that ended in this window.
+        finished = jax.lax.psum(done.sum(), DEVICE_AXIS)
+        metrics = {
+            "policy_loss": jax.lax.pmean(policy_loss.mean(), DEVICE_AXIS),
+            "value_loss": jax.lax.pmean(value_loss.mean(), DEVICE_AXIS),
+            "selfplay_games": finished.astype(jnp.float32),
+            "selfplay_game_length": jax.lax.psum(jnp.sum(done * length), DEVICE_AXIS)
+            / jnp.where(finished > 0, finished, jnp.nan),
+            "selfplay_draw_rate": jax.lax.psum(jnp.sum(draw), DEVICE_AXIS)
+            / jnp.where(finished > 0, finished, jnp.nan),
+            "positions_with_target": jax.lax.psum(buffer.known.sum(), DEVICE_AXIS).astype(
+                jnp.float32
+            ),
+        }
+        return state, metrics
+
+    # --- Evaluation: greedy search against fixed opponents, both seats --------------------------
+
+    def random_player(state, key):
+        return jax.random.categorical(key, jnp.where(state.legal_action_mask, 0.0, -jnp.inf))
+
+    def mcts_player(state, key):
+        """Plain MCTS: uniform priors, values from one random rollout, PUCT, most visited."""
+        batch = state.current_player.shape[0]
+
+        def evaluate_by_rollout(params, key, state):
+            return jnp.zeros((batch, num_actions)), random_rollout_value(env, state, key)
+
+        search_key, rollout_key = jax.random.split(key)
+        root_value = random_rollout_value(env, state, rollout_key)
+        output = run_search(
+            "puct",
+            None,
+            search_key,
+            state,
+            jnp.zeros((batch, num_actions)),
+            root_value,
+            make_recurrent_fn(env, evaluate_by_rollout),
+            config.baseline_sims,
+            config.max_num_considered_actions,
+            gumbel_scale=0.0,
+            temperature=0.0,
+            dirichlet_alpha=0.3,
+            dirichlet_fraction=0.0,
+        )
+        return output.action
+
+    def oracle_player(state, key):
+        """A perfect tic_tac_toe player that picks uniformly among the optimal moves."""
+        values = oracle_table[tic_tac_toe_index(state.observation)]
+        best = values == jnp.max(values, axis=-1, keepdims=True)
+        return jax.random.categorical(key, jnp.where(best, 0.0, -jnp.inf))
+
+    opponents = {"random": random_player, "mcts": mcts_player}
+    if oracle_table is not None:
+        opponents["oracle"] = oracle_player
+
+    def play_against(variables, hp, opponent_index, key):
+        """eval_games_per_device games against one opponent, as two lock-step halves: the
+        agent moves first in half 0 and second in half 1. Players alternate, so at every ply
+        the agent is to move in all running games of one half and the opponent in all of the
+        other: each side searches only the games where it moves. Returns the agent's results
+        [2, half] (+1/0/-1), and (optimal, judged) agent-move counts for tic_tac_toe."""
+        half = eval_games_per_device // 2
+        init_key, loop_key = jax.random.split(key)
+        games = jax.tree.map(
+            lambda x: x.reshape(2, half, *x.shape[1:]), new_games(init_key, 2 * half)
+        )
+        agent = jnp.stack([games.current_player[0], 1 - games.current_player[1]])
+        index = jnp.arange(half)
+
+        def _not_done(carry):
+            games = carry[0]
+            return ~jnp.all(games.terminated | games.truncated)
+
+        def _ply(carry):
+            games, ply, key, result, optimal, judged = carry
+            key, agent_key, opponent_key = jax.random.split(key, 3)
+            agent_side = ply % 2  # the half where the agent is to move
+            agent_games = jax.tree.map(lambda x: x[agent_side], games)
+            other_games = jax.tree.map(lambda x: x[1 - agent_side], games)
+            agent_action = search_moves(variables, hp, agent_key, agent_games, greedy=True).action
+            other_action = jax.lax.switch(
+                opponent_index, list(opponents.values()), other_games, opponent_key
+            )
+            actions = jnp.where(
+                agent_side == 0,
+                jnp.stack([agent_action, other_action]),
+                jnp.stack([other_action, agent_action]),
+            )
+            if oracle_table is not None:
+                running = ~(agent_games.terminated | agent_games.truncated)
+                values = oracle_table[tic_tac_toe_index(agent_games.observation)]
+                is_best = values[index, agent_action] == jnp.max(values, axis=-1)
+                optimal = optimal + jnp.sum(running & is_best)
+                judged = judged + jnp.sum(running)
+            games = jax.vmap(jax.vmap(env.step))(games, actions)  # finished games stay put
+            reward = jnp.take_along_axis(games.rewards, agent[..., None], axis=-1)[..., 0]
+            return games, ply + 1, key, result + reward, optimal, judged
+
+        carry = (games, jnp.int32(0), loop_key, jnp.zeros((2, half)), jnp.int32(0), jnp.int32(0))
+        _, _, _, result, optimal, judged = jax.lax.while_loop(_not_done, _ply, carry)
+        return result, optimal, judged
+
+    def evaluate_in_loop(state: TrainState, key) -> dict:
+        variables = variables_of(state)
+
+        # A scan over opponents traces the agent's search once, and its index stays unbatched
+        # under the seed vmap, so `lax.switch` runs only the opponent it names.
+        def _play(_, opponent_key):
+            opponent_index, key = opponent_key
+            return None, play_against(variables, state.hparams, opponent_index, key)
+
+        num_opponents = len(opponents)
+        _, (results, optimal, judged) = jax.lax.scan(
+            _play, None, (jnp.arange(num_opponents), jax.random.split(key, num_opponents))
+        )
+        metrics = {}
+        for i, name in enumerate(opponents):
+            wins, draws, losses = (
+                jax.lax.psum(jnp.sum(results[i] == r).astype(jnp.float32), DEVICE_AXIS)
+                for r in (1, 0, -1)
+            )
+            games = wins + draws + losses
+            elo, low, high = elo_estimate(wins, draws, losses)
+            metrics.update(
+                {
+                    f"eval_{name}_win": wins / games,
+                    f"eval_{name}_draw": draws / games,
+                    f"eval_{name}_loss": losses / games,
+                    f"eval_{name}_score": (wins + 0.5 * draws) / games,
+                    f"eval_{name}_elo": elo,
+                    f"eval_{name}_elo_low": low,
+                    f"eval_{name}_elo_high": high,
+                }
+            )
+        if oracle_table is not None:
+            optimal_total = jax.lax.psum(optimal.sum(), DEVICE_AXIS)
+            judged_total = jax.lax.psum(judged.sum(), DEVICE_AXIS)
+            metrics["eval_optimal_move_rate"] = optimal_total / jnp.maximum(judged_total, 1)
+        return metrics
+
+    def train_chunk(state: TrainState, num_updates: int):
+        """num_updates iterations, then one evaluation; its metrics sit at the chunk's last
+        iteration and are NaN at the others."""
+        state, metrics = jax.lax.scan(_iteration, state, None, num_updates)
+        key, eval_key = jax.random.split(state.key)
+        evaluation = evaluate_in_loop(state._replace(key=key), eval_key)
+        nan = jnp.full(num_updates, jnp.nan, jnp.float32)
+        for name, value in evaluation.items():
+            metrics[name] = nan.at[-1].set(value.astype(jnp.float32))
+        return state._replace(key=key), metrics
+
+    return Trainer(
+        algo="az",
+        env_id=game,
+        num_updates=config.num_iterations,
+        steps_per_update=config.num_games * config.rollout_steps,
+        init=init,
+        train_chunk=train_chunk,
+        evaluate=None,
+        headline_metric="eval_mcts_score",
+        step_unit="moves",
+        updates_per_chunk=config.eval_every,
+    )
+
+
+if __name__ == "__main__":
+    with exit_on_config_error():
+        run_training(parse_config(Config, PRESETS, preset_key=resolve_game), make_train)

@@ -1,0 +1,497 @@
+"""AlphaZero: value targets, replay buffer, priors, search legality, symmetries, the minimax oracle
+and Elo against plain references; then whole runs (reproducibility, devices, bad input) and,
+marked slow, learning tic_tac_toe."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pgx
+import pytest
+
+from purejaxrl_az import (
+    PRESETS,
+    SUPPORTED_GAMES,
+    Config,
+    Position,
+    action_permutations,
+    augment_position,
+    az_loss,
+    buffer_add,
+    buffer_init,
+    buffer_sample,
+    buffer_update_targets,
+    elo_estimate,
+    make_recurrent_fn,
+    make_train,
+    masked_logits,
+    random_rollout_value,
+    resolve_game,
+    run_search,
+    solve_tic_tac_toe,
+    tic_tac_toe_index,
+    value_targets,
+)
+from tests.helpers import assert_identical_runs, checkpoint_leaves, run_script
+from utils.cli import parse_config
+from utils.errors import ConfigError
+
+
+def reference_value_targets(reward, terminated, truncated, value, written, lam, outcome):
+    """The targets written as the definition reads, one game and one position at a time."""
+    steps, games = reward.shape
+    targets = np.zeros((steps, games))
+    known = np.zeros((steps, games), bool)
+    for g in range(games):
+        for t in range(steps):
+            if not written[t]:
+                continue
+            # Walk forward to the end of this game or of the data.
+            sign, total, s = 1.0, 0.0, t
+            if outcome:
+                while True:
+                    total += sign * reward[s, g]
+                    if terminated[s, g]:
+                        targets[t, g], known[t, g] = total, True
+                        break
+                    if truncated[s, g]:
+                        total += sign * (value[s, g] - reward[s, g])
+                        targets[t, g], known[t, g] = total, True
+                        break
+                    if s + 1 >= steps or not written[s + 1]:
+                        break  # the game is still running: no target yet
+                    sign, s = -sign, s + 1
+            else:
+                targets[t, g], known[t, g] = lambda_return(
+                    reward[:, g], terminated[:, g], truncated[:, g], value[:, g], written, lam, t
+                )
+    return targets, known
+
+
+def lambda_return(reward, terminated, truncated, value, written, lam, t):
+    """G_t by its recursive definition (a truncated game's last position is worth its value)."""
+    if terminated[t]:
+        return reward[t], True
+    if truncated[t]:
+        return value[t], True
+    if t + 1 >= len(reward) or not written[t + 1]:
+        return 0.0, False
+    following, following_known = lambda_return(
+        reward, terminated, truncated, value, written, lam, t + 1
+    )
+    bootstrap = following if following_known else value[t + 1]
+    return reward[t] - ((1 - lam) * value[t + 1] + lam * bootstrap), True
+
+
+def random_trajectories(rng, steps=12, games=5, filled=10):
+    end = rng.random((steps, games)) < 0.25
+    truncated = end & (rng.random((steps, games)) < 0.3)
+    terminated = end & ~truncated
+    reward = np.where(terminated, rng.choice([-1.0, 0.0, 1.0], (steps, games)), 0.0)
+    value = rng.uniform(-1, 1, (steps, games))
+    written = np.arange(steps) < filled
+    return reward, terminated, truncated, value, written
+
+
+@pytest.mark.parametrize("outcome,lam", [(True, 1.0), (False, 0.0), (False, 0.7), (False, 1.0)])
+def test_value_targets_match_reference_loop(outcome, lam):
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        reward, terminated, truncated, value, written = random_trajectories(rng)
+        got, got_known = value_targets(
+            jnp.asarray(reward, jnp.float32),
+            jnp.asarray(terminated),
+            jnp.asarray(truncated),
+            jnp.asarray(value, jnp.float32),
+            jnp.asarray(written),
+            jnp.float32(lam),
+            outcome,
+        )
+        want, want_known = reference_value_targets(
+            reward, terminated, truncated, value, written, lam, outcome
+        )
+        np.testing.assert_array_equal(np.asarray(got_known), want_known)
+        np.testing.assert_allclose(np.asarray(got)[want_known], want[want_known], atol=1e-6)
+
+
+def test_outcome_targets_flip_sign_every_ply_and_stop_at_the_game_end():
+    # One column: a 3-move game the last mover wins, then a new game still running.
+    reward = jnp.array([[0.0], [0.0], [1.0], [0.0], [0.0]])
+    terminated = jnp.array([[False], [False], [True], [False], [False]])
+    targets, known = value_targets(
+        reward,
+        terminated,
+        jnp.zeros_like(terminated),
+        jnp.zeros((5, 1)),
+        jnp.ones(5, bool),
+        jnp.float32(1.0),
+        True,
+    )
+    np.testing.assert_array_equal(np.asarray(targets[:3, 0]), [1.0, -1.0, 1.0])
+    np.testing.assert_array_equal(np.asarray(known[:, 0]), [True, True, True, False, False])
+
+
+def moves(rewards, terminated):
+    """Position leaves [steps, games] for one column of scalar moves."""
+    steps = len(rewards)
+    zeros = jnp.zeros((steps, 1))
+    return Position(
+        obs=jnp.zeros((steps, 1, 1, 1, 1)),
+        legal=jnp.ones((steps, 1, 2), bool),
+        policy=jnp.full((steps, 1, 2), 0.5),
+        reward=jnp.asarray(rewards, jnp.float32)[:, None],
+        terminated=jnp.asarray(terminated)[:, None],
+        truncated=jnp.zeros((steps, 1), bool),
+        search_value=zeros[:, 0][:, None],
+    )
+
+
+def test_games_carried_over_get_targets_when_they_end_in_a_later_window():
+    example = jax.tree.map(lambda x: x[0], moves([0.0], [False]))
+    buffer = buffer_init(example, rows=6)
+    buffer = buffer_add(buffer, moves([0.0, 0.0], [False, False]))
+    buffer = buffer_update_targets(buffer, jnp.float32(1.0), True)
+    assert not bool(buffer.known.any())  # the game is still running
+    buffer = buffer_add(buffer, moves([0.0, -1.0], [False, True]))  # the 4th move loses
+    buffer = buffer_update_targets(buffer, jnp.float32(1.0), True)
+    np.testing.assert_array_equal(np.asarray(buffer.known[:4, 0]), [True] * 4)
+    np.testing.assert_array_equal(np.asarray(buffer.targets[:4, 0]), [1.0, -1.0, 1.0, -1.0])
+    # Wrap around: 4 more moves overwrite the 2 oldest rows, and time order still holds.
+    buffer = buffer_add(buffer, moves([0.0, 0.0, 0.0, 1.0], [False, False, False, True]))
+    buffer = buffer_update_targets(buffer, jnp.float32(1.0), True)
+    assert int(buffer.size) == 6 and int(buffer.next_row) == 2
+    np.testing.assert_array_equal(
+        np.asarray(buffer.targets[:, 0]), [-1.0, 1.0, 1.0, -1.0, -1.0, 1.0]
+    )
+    assert bool(buffer.known.all())
+
+
+def test_buffer_samples_only_positions_with_a_target():
+    example = jax.tree.map(lambda x: x[0], moves([0.0], [False]))
+    buffer = buffer_init(example, rows=4)
+    buffer = buffer_add(buffer, moves([1.0, 0.0, 0.0], [True, False, False]))
+    buffer = buffer_update_targets(buffer, jnp.float32(1.0), True)
+    batch, targets, weights = buffer_sample(buffer, jax.random.PRNGKey(0), 64)
+    np.testing.assert_array_equal(np.asarray(batch.reward), 1.0)  # only row 0 is known
+    np.testing.assert_array_equal(np.asarray(targets), 1.0)
+    np.testing.assert_array_equal(np.asarray(weights), 1.0)
+    empty = buffer_init(example, rows=4)
+    _, _, weights = buffer_sample(empty, jax.random.PRNGKey(0), 8)
+    np.testing.assert_array_equal(np.asarray(weights), 0.0)
+
+
+def random_positions(game, num, seed=0, max_moves=6):
+    """`num` positions of `game` reached by up to max_moves random legal moves."""
+    env = pgx.make(game)
+    step = jax.jit(jax.vmap(env.step))
+    state = jax.vmap(env.init)(jax.random.split(jax.random.PRNGKey(seed), num))
+    key = jax.random.PRNGKey(seed + 1)
+    for moves_made in range(max_moves):
+        key, k = jax.random.split(key)
+        action = jax.random.categorical(k, jnp.where(state.legal_action_mask, 0.0, -jnp.inf))
+        after = step(state, action)
+        keep = (after.terminated | after.truncated) | (jnp.arange(num) % max_moves <= moves_made)
+        state = jax.tree.map(
+            lambda old, new, keep=keep: jnp.where(
+                keep.reshape(-1, *[1] * (old.ndim - 1)), old, new
+            ),
+            state,
+            after,
+        )
+    return env, state
+
+
+def test_priors_are_masked_and_normalised_exactly_once():
+    env, state = random_positions("connect_four", 16)
+    logits = jax.random.normal(jax.random.PRNGKey(3), (16, env.num_actions))
+    legal = state.legal_action_mask.at[:, 0].set(False)  # some moves forbidden everywhere
+    state = state.replace(legal_action_mask=legal)
+
+    def evaluate(params, key, s):
+        return jnp.zeros((16, env.num_actions)), jnp.zeros(16)
+
+    output = run_search(
+        "gumbel", None, jax.random.PRNGKey(0), state, logits, jnp.zeros(16),
+        make_recurrent_fn(env, evaluate), 4, 16, 1.0, 1.0, 0.3, 0.25,
+    )  # fmt: skip
+    root_prior = jax.nn.softmax(output.search_tree.children_prior_logits[:, 0])
+    masked = np.where(legal, np.exp(logits), 0.0)
+    np.testing.assert_allclose(np.asarray(root_prior), masked / masked.sum(-1, keepdims=True), 1e-5)
+    np.testing.assert_array_equal(np.asarray(root_prior)[~np.asarray(legal)], 0.0)
+    np.testing.assert_allclose(np.asarray(masked_logits(logits, legal)).max(-1), 0.0, atol=1e-6)
+
+
+@pytest.mark.parametrize("search,game", [("gumbel", "othello"), ("puct", "tic_tac_toe")])
+def test_search_never_selects_illegal_moves(search, game):
+    env, state = random_positions(game, 64, max_moves=8)
+    # Priors that prefer illegal moves as strongly as possible.
+    logits = jnp.where(state.legal_action_mask, -5.0, 5.0)
+
+    def evaluate(params, key, s):
+        return jnp.where(s.legal_action_mask, -5.0, 5.0), jnp.zeros(64)
+
+    for seed in range(3):
+        output = run_search(
+            search, None, jax.random.PRNGKey(seed), state, logits, jnp.zeros(64),
+            make_recurrent_fn(env, evaluate), 16, 16, 1.0, 1.0, 0.3, 0.25,
+        )  # fmt: skip
+        playable = ~(state.terminated | state.truncated)
+        chosen_legal = state.legal_action_mask[jnp.arange(64), output.action]
+        assert bool(jnp.all(chosen_legal | ~playable))
+        weights = np.asarray(output.action_weights)[np.asarray(playable)]
+        assert np.all(weights[~np.asarray(state.legal_action_mask)[np.asarray(playable)]] == 0)
+
+
+def test_recurrent_fn_values_finished_games_at_zero_with_zero_discount():
+    env = pgx.make("tic_tac_toe")
+    state = jax.vmap(env.init)(jax.random.split(jax.random.PRNGKey(0), 1))
+    for action in (0, 3, 1, 4):  # the first player then wins with cell 2
+        state = jax.vmap(env.step)(state, jnp.array([action]))
+
+    def evaluate(params, key, s):
+        return jnp.zeros((1, 9)), jnp.full(1, 0.7)  # a value the search must ignore
+
+    recurrent_fn = make_recurrent_fn(env, evaluate)
+    output, won = recurrent_fn(None, None, jnp.array([2]), state)
+    assert float(output.reward[0]) == 1.0  # the mover's reward
+    assert float(output.discount[0]) == 0.0 and float(output.value[0]) == 0.0
+    output, _ = recurrent_fn(None, None, jnp.array([5]), won)  # past the end of the game
+    assert float(output.reward[0]) == 0.0
+    assert float(output.discount[0]) == 0.0 and float(output.value[0]) == 0.0
+    output, _ = recurrent_fn(None, None, jnp.array([8]), state)  # a game that goes on
+    assert float(output.discount[0]) == -1.0 and float(output.value[0]) == pytest.approx(0.7)
+
+
+@pytest.mark.parametrize("game", ["tic_tac_toe", "connect_four", "othello", "go_9x9", "hex"])
+def test_symmetries_map_observations_legal_masks_and_policies_consistently(game):
+    """Playing the mapped moves from a symmetric start reaches the mapped position: its
+    observation is the transformed one and its legal mask is the permuted one."""
+    env = pgx.make(game)
+    perms = action_permutations(game, env.num_actions)
+    assert len(perms) > 1
+    step = jax.jit(env.step)
+    start = env.init(jax.random.PRNGKey(0))
+    rng = np.random.default_rng(0)
+    checked = 0
+    for k in range(len(perms)):
+        inverse = np.argsort(perms[k])  # old action a is new action inverse[a]
+        policy = jnp.asarray(rng.random(env.num_actions), jnp.float32)
+        obs, _, _ = augment_position(
+            game, perms, k, start.observation, start.legal_action_mask, policy
+        )
+        if not bool(jnp.all(obs == start.observation)):
+            continue  # othello's start is not symmetric under every transform
+        checked += 1
+        state, mapped = start, start
+        for _ in range(6):
+            legal = np.flatnonzero(np.asarray(state.legal_action_mask))
+            action = int(rng.choice(legal))
+            state = step(state, jnp.int32(action))
+            mapped = step(mapped, jnp.int32(inverse[action]))
+            if bool(state.terminated | state.truncated):
+                break
+            obs, legal_mask, new_policy = augment_position(
+                game, perms, k, state.observation, state.legal_action_mask, policy
+            )
+            np.testing.assert_array_equal(np.asarray(obs), np.asarray(mapped.observation))
+            np.testing.assert_array_equal(
+                np.asarray(legal_mask), np.asarray(mapped.legal_action_mask)
+            )
+            np.testing.assert_array_equal(np.asarray(new_policy)[inverse], np.asarray(policy))
+    assert checked >= 2
+
+
+def test_games_without_symmetries_augment_to_themselves():
+    assert action_permutations("animal_shogi", 132).shape == (1, 132)
+
+
+def test_tic_tac_toe_oracle():
+    table = solve_tic_tac_toe()
+    assert (table[0] == 0).all()  # every first move draws with perfect play
+    # Mover holds cells 0 and 1, the opponent 3 and 4: cell 2 wins, cell 5 only draws,
+    # anything else loses.
+    index = 1 * 1 + 1 * 3 + 2 * 27 + 2 * 81
+    values = table[index]
+    assert values[2] == 1 and values[5] == 0 and values[6] == -1 and values[0] == -2
+    # The index matches pgx's observation layout: the oracle never loses to random play.
+    env = pgx.make("tic_tac_toe")
+    step = jax.jit(jax.vmap(env.step))
+    state = jax.vmap(env.init)(jax.random.split(jax.random.PRNGKey(0), 200))
+    oracle_player = jnp.arange(200) % 2
+    key = jax.random.PRNGKey(1)
+    result = jnp.zeros(200)
+    for _ in range(9):
+        key, k = jax.random.split(key)
+        random_action = jax.random.categorical(k, jnp.where(state.legal_action_mask, 0.0, -jnp.inf))
+        best = jnp.argmax(jnp.asarray(table)[tic_tac_toe_index(state.observation)], axis=-1)
+        action = jnp.where(state.current_player == oracle_player, best, random_action)
+        state = step(state, action)
+        result = result + state.rewards[jnp.arange(200), oracle_player]
+    assert bool(jnp.all(state.terminated))
+    assert float(result.min()) >= 0.0 and float(result.mean()) > 0.5
+
+
+LINES = [(0, 1, 2), (3, 4, 5), (6, 7, 8), (0, 3, 6), (1, 4, 7), (2, 5, 8), (0, 4, 8), (2, 4, 6)]
+
+
+def random_play_value(board):
+    """Exact expected result of uniformly random play for the mover (cells: 1 mover, 2 other)."""
+    empty = [c for c in range(9) if board[c] == 0]
+    total = 0.0
+    for cell in empty:
+        after = list(board)
+        after[cell] = 1
+        if any(all(after[i] == 1 for i in line) for line in LINES):
+            total += 1.0
+        elif len(empty) > 1:
+            total -= random_play_value([(3 - c) % 3 for c in after])
+    return total / len(empty)
+
+
+def test_random_rollout_value_is_the_movers_expected_result():
+    env = pgx.make("tic_tac_toe")
+    state = env.init(jax.random.PRNGKey(0))
+    for action in (0, 3, 1, 4):  # X: 0, 1; O: 3, 4; X to move
+        state = env.step(state, jnp.int32(action))
+    batch = jax.tree.map(lambda x: jnp.broadcast_to(x, (4000, *x.shape)), state)
+    rollout = jax.jit(lambda states, key: random_rollout_value(env, states, key))
+    values = np.asarray(rollout(batch, jax.random.PRNGKey(0)))
+    assert set(np.unique(values)) <= {-1.0, 0.0, 1.0}
+    expected = random_play_value([1, 1, 0, 2, 2, 0, 0, 0, 0])
+    assert values.mean() == pytest.approx(expected, abs=4 * values.std() / np.sqrt(4000))
+    won = jax.jit(jax.vmap(env.step))(batch, jnp.full(4000, 2))  # X completes the top row
+    np.testing.assert_array_equal(np.asarray(rollout(won, jax.random.PRNGKey(0))), 0.0)
+
+
+def test_elo_estimate():
+    elo, low, high = elo_estimate(jnp.float32(30), jnp.float32(40), jnp.float32(30))
+    assert float(elo) == pytest.approx(0.0, abs=1e-3) and float(low) < 0 < float(high)
+    elo, _, _ = elo_estimate(jnp.float32(75), jnp.float32(0), jnp.float32(25))
+    assert float(elo) == pytest.approx(400 * np.log10(3), rel=1e-4)
+    elo, low, high = elo_estimate(jnp.float32(10), jnp.float32(0), jnp.float32(0))
+    assert np.isfinite(float(elo)) and float(low) <= float(elo) <= float(high)
+
+
+def test_loss_ignores_illegal_moves_and_masked_samples():
+    logits = jnp.array([[2.0, 0.0, 50.0], [0.0, 0.0, 0.0]])
+    legal = jnp.array([[True, True, False], [True, True, True]])
+    target = jnp.array([[0.5, 0.5, 0.0], [1.0, 0.0, 0.0]])
+    policy_loss, value_loss = az_loss(
+        logits, jnp.array([0.5, 0.0]), legal, target, jnp.array([1.0, 9.0]), jnp.array([1.0, 0.0])
+    )
+    log_p = np.log(np.exp([2.0, 0.0]) / np.exp([2.0, 0.0]).sum())
+    assert float(policy_loss) == pytest.approx(-(0.5 * log_p).sum(), rel=1e-5)
+    assert float(value_loss) == pytest.approx(0.25)
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole runs
+# ---------------------------------------------------------------------------------------------
+
+
+def tiny_args(runs_dir, game="tic_tac_toe"):
+    """4 iterations in 2 chunks with an evaluation after each: compiles in well under a minute."""
+    return [
+        "purejaxrl_az.py",
+        "--env", game,
+        "--num-iterations", "4",
+        "--eval-every", "2",
+        "--num-games", "16",
+        "--rollout-steps", "4",
+        "--buffer-size", "128",
+        "--minibatch-size", "32",
+        "--updates-per-iteration", "2",
+        "--num-blocks", "1",
+        "--num-channels", "8",
+        "--num-simulations", "4",
+        "--max-num-considered-actions", "4",
+        "--eval-episodes", "8",
+        "--baseline-sims", "4",
+        "--cpu-devices", "0",
+        "--no-progress",
+        "--runs-dir", str(runs_dir),
+    ]  # fmt: skip
+
+
+def run_dir_of(result):
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout.strip().splitlines()[-1].split("-> ")[-1]
+
+
+def test_run_outputs_reproducibility_and_two_devices(tmp_path):
+    first = run_dir_of(run_script(*tiny_args(tmp_path / "a"), "--num-seeds", "2"))
+    second = run_dir_of(run_script(*tiny_args(tmp_path / "b"), "--num-seeds", "2"))
+    assert_identical_runs(first, second)
+    with open(f"{first}/summary.json") as f:
+        summary = json.load(f)
+    assert summary["algo"] == "az" and summary["step_unit"] == "moves"
+    assert summary["headline_metric"] == "eval_mcts_score"
+    finals = summary["final_metrics_per_seed"]
+    assert len(finals) == 2 and finals[0] != finals[1]  # seeds differ
+    for final in finals:
+        assert final["eval_random_win"] + final["eval_random_draw"] + final[
+            "eval_random_loss"
+        ] == pytest.approx(1.0)
+        assert 0.0 <= final["eval_optimal_move_rate"] <= 1.0
+    with open(f"{first}/metrics.csv") as f:
+        header = f.readline().strip().split(",")
+    assert {"eval_oracle_elo_low", "selfplay_game_length", "value_loss"} <= set(header)
+
+    # --cpu-devices 2 restarts the process with the host split into two devices.
+    devices = run_dir_of(run_script(*tiny_args(tmp_path / "c"), "--cpu-devices", "2"))
+    with open(f"{devices}/summary.json") as f:
+        assert json.load(f)["num_devices"] == 2
+    leaves = checkpoint_leaves(devices)
+    params = [v for v in leaves.values() if v.dtype == np.float32 and v.ndim >= 3]
+    assert params and all(np.array_equal(v[0], v[1]) for v in params[:4])
+
+
+def test_presets_help_and_game_names():
+    assert set(PRESETS) <= set(SUPPORTED_GAMES)
+    assert resolve_game("Connect-Four") == "connect_four"
+    config = parse_config(Config, PRESETS, ["--env", "connect_four"], preset_key=resolve_game)
+    assert config.num_games == 128 and config.eval_every == 20
+    with pytest.raises(ConfigError, match=r"2048.*not a two-player.*valid games: tic_tac_toe"):
+        resolve_game("2048")
+    with pytest.raises(ConfigError, match=r"unknown game 'chekers'.*connect_four"):
+        resolve_game("chekers")
+
+
+@pytest.mark.parametrize(
+    "flags,match",
+    [
+        (["--eval-episodes", "7"], "--eval-episodes 7 must split evenly"),
+        (["--buffer-size", "32"], "--buffer-size 32 keeps only 2 moves"),
+        (["--updates-per-chunk", "3"], "set --eval-every instead"),
+        (["--td-lambda", "1.5"], "--td-lambda must be in"),
+        (["--num-simulations", "0"], "--num-simulations must be >= 1"),
+    ],
+)
+def test_bad_flags_raise_config_error(tmp_path, flags, match):
+    args = tiny_args(tmp_path)[1:] + flags
+    config = parse_config(Config, PRESETS, args, preset_key=resolve_game)
+    config.num_devices = 1
+    with pytest.raises(ConfigError, match=match):
+        make_train(config)
+
+
+def test_bad_game_exits_2_before_compiling(tmp_path):
+    result = run_script("purejaxrl_az.py", "--env", "2048", "--runs-dir", str(tmp_path))
+    assert result.returncode == 2
+    assert "not a two-player" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path).exists() or not any(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_tic_tac_toe_learns_to_never_lose(tmp_path):
+    """The default tic_tac_toe preset, cut to 40 iterations: no lost game against the random
+    player from either seat, and mostly draws against the perfect player."""
+    result = run_script(
+        "purejaxrl_az.py", "--env", "tic_tac_toe", "--num-iterations", "40",
+        "--no-progress", "--runs-dir", str(tmp_path), timeout=600,
+    )  # fmt: skip
+    with open(f"{run_dir_of(result)}/summary.json") as f:
+        final = json.load(f)["final_metrics_per_seed"][0]
+    assert final["eval_random_loss"] == 0.0, final
+    assert final["eval_oracle_draw"] >= 0.75, final
