@@ -1,0 +1,201 @@
+"""AlphaZero self-play throughput, ours next to the pgx AlphaZero example's, in one process.
+
+    python benchmarks/az_selfplay.py                      # tic_tac_toe x 256, connect_four x 128
+    python benchmarks/az_selfplay.py --cpu-devices 2      # the host split into 2 XLA devices
+    python benchmarks/az_selfplay.py --games othello:64 --iterations 10
+
+The reference is the self-play step of pgx's examples/alphazero/train.py with that example's
+configuration scaled down: its ResNet v2 (BatchNorm, 2 blocks x 32 channels, XLA convolutions),
+32 simulations of Gumbel MuZero, `auto_reset` games, pmapped over the local devices. It only
+plays: moves/s of one jitted call of `--rollout-steps` moves, compile excluded.
+
+Ours is `purejaxrl_az.py` at the game's preset (same network size, simulations and number of
+games) through the normal driver, so its moves/s also pay for the replay buffer, value targets,
+SGD, the in-loop evaluation every `--eval-every` iterations, metrics and checkpoints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import mctx
+import pgx
+import tyro
+from pgx.experimental import auto_reset
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import purejaxrl_az
+from utils.cli import parse_config
+from utils.devices import split_cpu_host
+from utils.driver import run_training
+
+
+@dataclasses.dataclass
+class Args:
+    games: tuple[str, ...] = ("tic_tac_toe:256", "connect_four:128")
+    """game:number of games played side by side"""
+    iterations: int = 20
+    """iterations of our trainer per game (a multiple of the preset's --eval-every includes
+    its evaluations)"""
+    rollout_steps: int = 32
+    """moves per game in one call of the reference self-play"""
+    num_simulations: int = 32
+    """MCTS simulations per move, both implementations"""
+    cpu_devices: int = 0
+    """split the CPU into this many XLA devices first (0: JAX's default)"""
+    extra: str = ""
+    """extra flags for our trainer, e.g. tiny sizes for a smoke test"""
+    out: str | None = None
+    """also write the results to this JSON file"""
+
+
+class ReferenceBlock(nn.Module):
+    """pgx example's BlockV2: (BatchNorm, relu, conv) x 2 plus the input."""
+
+    channels: int
+
+    @nn.compact
+    def __call__(self, x):
+        y = nn.Conv(self.channels, (3, 3))(nn.relu(nn.BatchNorm(use_running_average=True)(x)))
+        y = nn.Conv(self.channels, (3, 3))(nn.relu(nn.BatchNorm(use_running_average=True)(y)))
+        return x + y
+
+
+class ReferenceNet(nn.Module):
+    """pgx example's AZNet with resnet_v2=True, in inference mode."""
+
+    num_actions: int
+    channels: int = 32
+    blocks: int = 2
+
+    @nn.compact
+    def __call__(self, x):
+        def norm(x):
+            return nn.BatchNorm(use_running_average=True)(x)
+
+        x = nn.Conv(self.channels, (3, 3))(x.astype(jnp.float32))
+        for _ in range(self.blocks):
+            x = ReferenceBlock(self.channels)(x)
+        x = nn.relu(norm(x))
+        policy = nn.relu(norm(nn.Conv(2, (1, 1))(x)))
+        logits = nn.Dense(self.num_actions)(policy.reshape(policy.shape[0], -1))
+        value = nn.relu(norm(nn.Conv(1, (1, 1))(x)))
+        value = nn.relu(nn.Dense(self.channels)(value.reshape(value.shape[0], -1)))
+        return logits, jnp.tanh(nn.Dense(1)(value))[:, 0]
+
+
+def reference_moves_per_second(game: str, num_games: int, steps: int, simulations: int):
+    """(moves/s, compile s) of the pgx example's self-play step."""
+    env = pgx.make(game)
+    devices = jax.local_device_count()
+    games_per_device = num_games // devices
+    net = ReferenceNet(env.num_actions)
+    example = jax.vmap(env.init)(jax.random.split(jax.random.PRNGKey(0), games_per_device))
+    variables = net.init(jax.random.PRNGKey(0), example.observation)
+
+    def recurrent_fn(variables, key, action, state):
+        player = state.current_player
+        state = jax.vmap(env.step)(state, action)
+        logits, value = net.apply(variables, state.observation)
+        logits = logits - jnp.max(logits, axis=-1, keepdims=True)
+        logits = jnp.where(state.legal_action_mask, logits, jnp.finfo(logits.dtype).min)
+        output = mctx.RecurrentFnOutput(
+            reward=state.rewards[jnp.arange(games_per_device), player],
+            discount=jnp.where(state.terminated, 0.0, -1.0),
+            prior_logits=logits,
+            value=jnp.where(state.terminated, 0.0, value),
+        )
+        return output, state
+
+    def selfplay(variables, key):
+        def step_fn(state, key):
+            search_key, reset_key = jax.random.split(key)
+            logits, value = net.apply(variables, state.observation)
+            root = mctx.RootFnOutput(prior_logits=logits, value=value, embedding=state)
+            output = mctx.gumbel_muzero_policy(
+                params=variables,
+                rng_key=search_key,
+                root=root,
+                recurrent_fn=recurrent_fn,
+                num_simulations=simulations,
+                invalid_actions=~state.legal_action_mask,
+                qtransform=mctx.qtransform_completed_by_mix_value,
+                gumbel_scale=1.0,
+            )
+            keys = jax.random.split(reset_key, games_per_device)
+            state = jax.vmap(auto_reset(env.step, env.init))(state, output.action, keys)
+            return state, output.action_weights
+
+        init_key, key = jax.random.split(key)
+        state = jax.vmap(env.init)(jax.random.split(init_key, games_per_device))
+        _, weights = jax.lax.scan(step_fn, state, jax.random.split(key, steps))
+        return weights
+
+    replicated = jax.tree.map(lambda x: jnp.stack([x] * devices), variables)
+    keys = jax.random.split(jax.random.PRNGKey(1), devices)
+    start = time.perf_counter()
+    compiled = jax.pmap(selfplay).lower(replicated, keys).compile()
+    compile_seconds = time.perf_counter() - start
+    jax.block_until_ready(compiled(replicated, keys))  # warm-up
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(replicated, keys))
+        times.append(time.perf_counter() - start)
+    return games_per_device * devices * steps / sorted(times)[1], compile_seconds
+
+
+def main(args: Args) -> list[dict]:
+    split_cpu_host(args.cpu_devices)
+    results = []
+    with tempfile.TemporaryDirectory() as runs_dir:
+        for entry in args.games:
+            game, num_games = entry.split(":")
+            reference, reference_compile = reference_moves_per_second(
+                game, int(num_games), args.rollout_steps, args.num_simulations
+            )
+            cli = ["--env", game, "--num-games", num_games, "--runs-dir", runs_dir]
+            cli += ["--num-iterations", str(args.iterations), "--no-progress"]
+            cli += ["--num-simulations", str(args.num_simulations), *args.extra.split()]
+            config = parse_config(
+                purejaxrl_az.Config, purejaxrl_az.PRESETS, cli, preset_key=purejaxrl_az.resolve_game
+            )
+            summary = run_training(config, purejaxrl_az.make_train)
+            results.append(
+                {
+                    "game": game,
+                    "num_games": int(num_games),
+                    "devices": f"{jax.local_device_count()} x {jax.devices()[0].device_kind}",
+                    "reference_moves_per_second": round(reference),
+                    "reference_compile_seconds": round(reference_compile, 2),
+                    "ours_moves_per_second": round(summary["steps_per_second"]),
+                    "ours_compile_seconds": round(summary["compile_seconds"], 2),
+                    "ratio": round(summary["steps_per_second"] / reference, 3),
+                    "ours_score_vs_mcts": summary["final_return_mean"],
+                }
+            )
+    print("| game | games | devices | pgx example moves/s | ours moves/s | ratio | compile s |")
+    print("|---|---:|---|---:|---:|---:|---|")
+    for r in results:
+        print(
+            f"| {r['game']} | {r['num_games']} | {r['devices']} | "
+            f"{r['reference_moves_per_second']:,} | {r['ours_moves_per_second']:,} | "
+            f"{r['ratio']} | {r['reference_compile_seconds']} / {r['ours_compile_seconds']} |"
+        )
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+    return results
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args, description=__doc__))
