@@ -246,7 +246,7 @@ class ResNet(nn.Module):
     num_blocks: int
     num_channels: int
     batch_norm: bool
-    conv_as_matmul: bool = True  # see utils/layers.py: True when seeds are vmapped
+    conv_as_matmul: bool = True  # see utils/layers.py and make_train
 
     @nn.compact
     def __call__(self, obs, train: bool = False):
@@ -645,9 +645,9 @@ def make_train(config: Config) -> Trainer:
         action_permutations(game, num_actions) if config.augment else np.arange(num_actions)[None]
     )
     oracle_table = jnp.asarray(solve_tic_tac_toe()) if game == "tic_tac_toe" else None
-    # One set of parameters, two ways to compute the convolutions (utils/layers.py): search
-    # runs XLA's convolution, but SGD, and anything with vmapped seeds, the matmul form. On CPU
-    # XLA's convolution made self-play about 10% faster and SGD about 20x slower here.
+    # One set of parameters, two ways to compute its convolutions (utils/layers.py): with one
+    # seed, search runs XLA's convolution (self-play about 10% faster on CPU); SGD, and all of
+    # it with vmapped seeds, the matmul form (XLA's convolution gradient in a loop: ~30x slower).
     network = ResNet(
         num_actions,
         config.num_blocks,

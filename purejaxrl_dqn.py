@@ -146,21 +146,21 @@ class QNetwork(nn.Module):
     """Q-values of every action for a batch of observations [B, ...].
 
     Vectors go through a two-layer MLP. MinAtar's 10x10xC images go through the network of the
-    MinAtar paper's DQN: one 3x3 convolution with 16 channels (zero-padded; utils/layers.py
-    says how it is computed), then one dense layer. The dueling head (Wang et al., 2016) adds a state value to advantages centred on their mean.
+    MinAtar paper's DQN: one 3x3 convolution with 16 channels (zero-padded, as a matmul: see
+    utils/layers.py), then one dense layer. The dueling
+    head (Wang et al., 2016) adds a state value to advantages centred on their mean.
     """
 
     num_actions: int
     hidden_size: int
     dueling: bool
     image: bool
-    conv_as_matmul: bool = True  # see utils/layers.py: True when seeds are vmapped
 
     @nn.compact
     def __call__(self, obs):
         x = obs.astype(jnp.float32)
         if self.image:
-            x = nn.relu(Conv3x3(16, self.conv_as_matmul)(x))
+            x = nn.relu(Conv3x3(16)(x))
             x = nn.relu(nn.Dense(self.hidden_size)(x.reshape(x.shape[0], -1)))
         else:
             x = x.reshape(x.shape[0], -1)
@@ -372,11 +372,7 @@ def make_train(config: Config) -> Trainer:
     obs_dtype = jnp.uint8 if env_family(spec.env_id) == "minatar" else jnp.float32
 
     network = QNetwork(
-        spec.num_actions,
-        config.hidden_size,
-        config.dueling,
-        len(spec.obs_shape) == 3,
-        conv_as_matmul=config.num_seeds > 1,
+        spec.num_actions, config.hidden_size, config.dueling, len(spec.obs_shape) == 3
     )
 
     def make_optimizer(hp: HyperParams):

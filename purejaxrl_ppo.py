@@ -174,7 +174,6 @@ class ActorCritic(nn.Module):
     hidden_size: int
     activation: str
     torso: str
-    conv_as_matmul: bool = True  # see utils/layers.py: True when seeds are vmapped
 
     def setup(self):
         activation = nn.tanh if self.activation == "tanh" else nn.relu
@@ -183,7 +182,7 @@ class ActorCritic(nn.Module):
         def network(out_size, out_scale):
             layers = []
             if self.torso == "cnn":
-                layers += [Conv3x3(16, self.conv_as_matmul, orthogonal(np.sqrt(2))), activation]
+                layers += [Conv3x3(16, kernel_init=orthogonal(np.sqrt(2))), activation]
             layers += [lambda x: x.reshape(*x.shape[: x.ndim - self.obs_ndim], -1)]
             for _ in range(2):
                 layers += [nn.Dense(self.hidden_size, kernel_init=orthogonal(np.sqrt(2)))]
@@ -355,7 +354,6 @@ def make_train(config: Config) -> Trainer:
         config.hidden_size,
         config.activation,
         config.torso,
-        conv_as_matmul=config.num_seeds > 1,
     )
 
     def to_env_action(action):

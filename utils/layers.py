@@ -9,12 +9,12 @@ class Conv3x3(nn.Module):
     """`nn.Conv(features, (3, 3))` with 'SAME' padding: same parameters, same function, and a
     choice of how XLA computes it.
 
-    `matmul=True` writes the convolution as nine shifted copies of the input and one matmul.
-    Use it when the parameters are vmapped (several seeds in one program): JAX turns a
-    convolution with batched parameters into a grouped convolution, which XLA:CPU runs 2-5x
-    slower than the matmul form. With unbatched parameters XLA's own convolution is the faster
-    one (1.4-2x forward, 2-4x with the backward pass, at board and MinAtar sizes), so
-    `matmul=False` calls it.
+    `matmul=True` (the default) writes the convolution as nine shifted copies of the input and
+    one matmul. XLA:CPU is fast at it everywhere. Its own convolution is slow in two places:
+    with vmapped parameters (several seeds in one program) JAX makes it a grouped convolution,
+    2-5x slower; and its gradient inside a loop (`lax.scan`) ran about 30x slower than the
+    matmul form's. `matmul=False` calls XLA's convolution, 1.2-1.4x faster for a forward pass
+    with unbatched parameters, so only for acting, with one seed.
     """
 
     features: int
