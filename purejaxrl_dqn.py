@@ -515,12 +515,15 @@ def make_train(config: Config) -> Trainer:
     def train_chunk(state: TrainState, num_updates: int):
         return jax.lax.scan(_update_step, state, None, num_updates)
 
-    def evaluate(state: TrainState, key):
-        def greedy(obs):
+    def greedy_policy(state: TrainState):
+        def act(obs):
             return jnp.argmax(network.apply(state.params, obs), axis=-1)
 
+        return act
+
+    def evaluate(state: TrainState, key):
         return evaluate_policy(
-            env, env_params, greedy, key, config.eval_episodes, spec.max_episode_steps
+            env, env_params, greedy_policy(state), key, config.eval_episodes, spec.max_episode_steps
         )
 
     return Trainer(
@@ -531,6 +534,7 @@ def make_train(config: Config) -> Trainer:
         init=init,
         train_chunk=train_chunk,
         evaluate=evaluate,
+        greedy_policy=greedy_policy,
     )
 
 

@@ -485,14 +485,22 @@ def make_train(config: Config) -> Trainer:
     def train_chunk(runner_state: RunnerState, num_updates: int):
         return jax.lax.scan(_update_step, runner_state, None, num_updates)
 
-    def evaluate(runner_state: RunnerState, key):
-        def greedy(obs):
+    def greedy_policy(runner_state: RunnerState):
+        def act(obs):
             return to_env_action(
                 network.apply(runner_state.params, obs, method=ActorCritic.policy).mode()
             )
 
+        return act
+
+    def evaluate(runner_state: RunnerState, key):
         return evaluate_policy(
-            env, env_params, greedy, key, config.eval_episodes, spec.max_episode_steps
+            env,
+            env_params,
+            greedy_policy(runner_state),
+            key,
+            config.eval_episodes,
+            spec.max_episode_steps,
         )
 
     return Trainer(
@@ -503,6 +511,7 @@ def make_train(config: Config) -> Trainer:
         init=init,
         train_chunk=train_chunk,
         evaluate=evaluate,
+        greedy_policy=greedy_policy,
     )
 
 

@@ -22,3 +22,23 @@ def test_throughput_benchmark_runs_with_a_tiny_budget(tmp_path):
         assert row["train_steps_per_second"] > 0 and row["random_policy_steps_per_second"] > 0
     assert "| ppo | CartPole-v1 | --num-envs 8 |" in result.stdout
     assert "| dqn | CartPole-v1 | preset |" in result.stdout
+
+
+def test_az_selfplay_benchmark_runs_with_a_tiny_budget(tmp_path):
+    out = tmp_path / "results.json"
+    result = run_script(
+        "benchmarks/az_selfplay.py",
+        "--games", "tic_tac_toe:8",
+        "--iterations", "2",
+        "--rollout-steps", "4",
+        "--num-simulations", "4",
+        "--extra=--eval-every 2 --eval-episodes 4 --baseline-sims 2 --minibatch-size 8 "
+        "--buffer-size 64 --rollout-steps 4 --num-channels 8 --num-blocks 1 --cpu-devices 0",
+        "--out", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    (row,) = json.loads(out.read_text())
+    assert (row["game"], row["num_games"]) == ("tic_tac_toe", 8)
+    assert row["reference_moves_per_second"] > 0 and row["ours_moves_per_second"] > 0
+    assert row["ratio"] > 0
+    assert "| tic_tac_toe | 8 | 1 x cpu |" in result.stdout

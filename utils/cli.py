@@ -41,6 +41,9 @@ class RunConfig:
     """updates per compiled chunk; between chunks the driver logs and checkpoints (0: automatic)"""
     eval_episodes: int = 10
     """greedy evaluation episodes of the final policy, per seed (0 to skip)"""
+    capture_video: bool = False
+    """after training, film one greedy episode of the first seed with gymnax's renderer into
+    RUN_DIR/videos/final.gif (and wandb with --track)"""
     runs_dir: str = "runs"
     """folder that holds one directory per run"""
     resume: str | None = None
@@ -51,7 +54,7 @@ class RunConfig:
 # watched, not what it computes.
 RESUMABLE_OVERRIDES = frozenset(
     {"resume", "progress", "updates_per_chunk", "track", "wandb_project_name", "wandb_entity"}
-    | {"eval_episodes", "runs_dir"}
+    | {"eval_episodes", "runs_dir", "capture_video"}
 )
 
 

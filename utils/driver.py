@@ -26,6 +26,7 @@ from utils.devices import DEVICE_AXIS, resolve_num_devices, split_cpu_host
 from utils.errors import ConfigError
 from utils.logs import MetricsCsv, WandbSink, read_metrics_csv
 from utils.plotting import plot_learning_curve
+from utils.video import write_episode_gif
 
 CHUNKS_PER_RUN = 25  # automatic chunking aims at about this many progress/checkpoint points
 
@@ -47,6 +48,8 @@ class Trainer:
     # (state, key) -> episode returns [eval_episodes], called unpmapped after training; None when
     # the trainer evaluates inside its chunks instead.
     evaluate: Callable | None
+    # (state) -> (obs batch -> action batch), the greedy policy that --capture-video films
+    greedy_policy: Callable | None = None
     headline_metric: str = "episode_return"  # the progress bar's number and the final return
     step_unit: str = "steps"  # what steps_per_update counts, for the reports
     updates_per_chunk: int | None = None  # a chunk length the algorithm needs (None: free)
@@ -280,6 +283,21 @@ def run_training(config, make_train: Callable[..., Trainer]) -> dict:
         eval_returns = np.asarray(evaluate(first_device_state, eval_keys)).mean(axis=1).tolist()
 
     columns = read_metrics_csv(csv_path)
+    video_path = None
+    if config.capture_video:
+        if trainer.greedy_policy is None:
+            print(f"--capture-video: {trainer.algo} records no episode video")
+        else:
+            first_seed = jax.tree.map(lambda x: x[0, 0], state)  # device 0, seed 0
+            video_path = write_episode_gif(
+                trainer.env_id,
+                trainer.greedy_policy(first_seed),
+                jax.random.fold_in(seed_keys[0], 2),
+                os.path.join(run_dir, "videos", "final.gif"),
+            )
+        if video_path is not None and wandb_sink is not None:
+            wandb_sink.log_video(video_path)
+
     final_returns = _final_values(columns, trainer.headline_metric, num_seeds, trainer.num_updates)
     totals = meta_now()
     steps_done = (trainer.num_updates - start_update) * steps_per_update * num_seeds

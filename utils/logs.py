@@ -87,6 +87,11 @@ class WandbSink:
                     row[f"{self.headline_metric}/seed_{seed}"] = value
             self.run.log(row, step=(first_update + k) * steps_per_update)
 
+    def log_video(self, path: str):
+        import wandb
+
+        self.run.log({"video/final": wandb.Video(path, format="gif")})
+
     def finish(self, summary: dict):
         self.run.summary.update({k: v for k, v in summary.items() if not isinstance(v, list)})
         self.run.finish()

@@ -1,0 +1,83 @@
+"""Episode animations: one greedy episode rolled out inside jit, drawn by gymnax's renderer.
+
+Rendering is host work (matplotlib, and pygame for the classic-control envs), so it runs once
+after training and never inside the compiled loop.
+"""
+
+from __future__ import annotations
+
+import os
+
+import gymnax
+import jax
+import numpy as np
+
+# The envs gymnax's Visualizer can draw (gymnax/visualize/visualizer.py).
+RENDERABLE_ENVS = frozenset(
+    {
+        "Acrobot-v1",
+        "CartPole-v1",
+        "Pendulum-v1",
+        "MountainCar-v0",
+        "MountainCarContinuous-v0",
+        "Catch-bsuite",
+        "Asterix-MinAtar",
+        "Breakout-MinAtar",
+        "Freeway-MinAtar",
+        "Seaquest-MinAtar",
+        "SpaceInvaders-MinAtar",
+        "PointRobot-misc",
+        "MetaMaze-misc",
+        "FourRooms-misc",
+    }
+)
+
+
+def rollout_states(env_id: str, policy, key):
+    """One episode of `policy` (obs batch -> action batch) in the plain gymnax env: the env
+    states it passed through (a list, first state first) and its return."""
+    env, env_params = gymnax.make(env_id)
+    max_steps = int(env_params.max_steps_in_episode)
+
+    def _step(carry, step_key):
+        obs, state, done, total = carry
+        action = policy(obs[None])[0]
+        obs, next_state, reward, terminated, truncated, _ = env.step(
+            step_key, state, action, env_params
+        )
+        total = total + jax.numpy.where(done, 0.0, reward)
+        return (obs, next_state, done | terminated | truncated, total), (state, done)
+
+    @jax.jit
+    def episode(key):
+        reset_key, key = jax.random.split(key)
+        obs, state = env.reset(reset_key, env_params)
+        carry = (obs, state, jax.numpy.bool_(False), jax.numpy.float32(0.0))
+        (_, _, _, total), (states, done_before) = jax.lax.scan(
+            _step, carry, jax.random.split(key, max_steps)
+        )
+        return states, done_before, total
+
+    states, done_before, total = jax.device_get(episode(key))
+    length = int(np.argmax(done_before)) if done_before.any() else max_steps
+    return [jax.tree.map(lambda x, t=t: x[t], states) for t in range(length)], float(total)
+
+
+def write_episode_gif(env_id: str, policy, key, path: str) -> str | None:
+    """Write one greedy episode as a GIF at `path`; returns the path, or None (and prints one
+    line) when gymnax has no renderer for the env."""
+    if env_id not in RENDERABLE_ENVS:
+        print(f"--capture-video: gymnax has no renderer for {env_id}; no video written")
+        return None
+    from gymnax.visualize import Visualizer  # matplotlib animation: imported only when used
+
+    # pygame draws the classic-control envs off screen, without a display or sound card.
+    os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
+    os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
+    states, _ = rollout_states(env_id, policy, key)
+    env, env_params = gymnax.make(env_id)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + ".tmp.gif"
+    Visualizer(env, env_params, states).animate(tmp)
+    os.replace(tmp, path)
+    return path
