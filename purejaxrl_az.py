@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import Literal, NamedTuple
 
 import flax.linen as nn
@@ -112,6 +113,9 @@ class Config(RunConfig):
     """on a CPU-only host, split the CPU into this many XLA devices, games split over them
     (-1: one per core, 2.1-2.3x the moves/s of one device on 2 cores; 0: JAX's single CPU
     device). Ignored on GPU/TPU hosts"""
+    capture_video: bool = False
+    """at each evaluation, write one game per opponent and seat as an SVG animation (pgx's
+    renderer) into RUN_DIR/games/ (and wandb with --track)"""
 
 
 # Defaults per game; any flag overrides them. Small games get a small network and many games
@@ -276,6 +280,8 @@ class ResNet(nn.Module):
 # ---------------------------------------------------------------------------------------------
 # Pure pieces: priors, search, value targets, replay buffer, loss, evaluation
 # ---------------------------------------------------------------------------------------------
+
+MAX_RECORDED_MOVES = 512  # a game record for --capture-video keeps at most this many moves
 
 ILLEGAL_LOGIT = (
     -1e9
@@ -882,9 +888,9 @@ def make_train(config: Config) -> Trainer:
         [2, half] (+1/0/-1), and (optimal, judged) agent-move counts for tic_tac_toe."""
         half = eval_games_per_device // 2
         init_key, loop_key = jax.random.split(key)
-        games = jax.tree.map(
-            lambda x: x.reshape(2, half, *x.shape[1:]), new_games(init_key, 2 * half)
-        )
+        game_keys = jax.random.split(init_key, 2 * half)
+        games = jax.vmap(env.init)(game_keys)
+        games = jax.tree.map(lambda x: x.reshape(2, half, *x.shape[1:]), games)
         agent = jnp.stack([games.current_player[0], 1 - games.current_player[1]])
         index = jnp.arange(half)
 
@@ -893,7 +899,7 @@ def make_train(config: Config) -> Trainer:
             return ~jnp.all(games.terminated | games.truncated)
 
         def _ply(carry):
-            games, ply, key, result, optimal, judged = carry
+            games, ply, key, result, optimal, judged, record = carry
             key, agent_key, opponent_key = jax.random.split(key, 3)
             agent_side = ply % 2  # the half where the agent is to move
             agent_games = jax.tree.map(lambda x: x[agent_side], games)
@@ -913,13 +919,21 @@ def make_train(config: Config) -> Trainer:
                 is_best = values[index, agent_action] == jnp.max(values, axis=-1)
                 optimal = optimal + jnp.sum(running & is_best)
                 judged = judged + jnp.sum(running)
+            if config.capture_video:  # the moves of each half's first game, -1 once it ended
+                first_running = ~(games.terminated | games.truncated)[:, 0]
+                move = jnp.where(first_running, actions[:, 0], -1)
+                record = record.at[:, jnp.minimum(ply, MAX_RECORDED_MOVES - 1)].set(
+                    jnp.where(ply < MAX_RECORDED_MOVES, move, record[:, -1])
+                )
             games = jax.vmap(jax.vmap(env.step))(games, actions)  # finished games stay put
             reward = jnp.take_along_axis(games.rewards, agent[..., None], axis=-1)[..., 0]
-            return games, ply + 1, key, result + reward, optimal, judged
+            return games, ply + 1, key, result + reward, optimal, judged, record
 
+        record = jnp.full((2, MAX_RECORDED_MOVES if config.capture_video else 0), -1, jnp.int32)
         carry = (games, jnp.int32(0), loop_key, jnp.zeros((2, half)), jnp.int32(0), jnp.int32(0))
-        _, _, _, result, optimal, judged = jax.lax.while_loop(_not_done, _ply, carry)
-        return result, optimal, judged
+        carry = (*carry, record)
+        _, _, _, result, optimal, judged, record = jax.lax.while_loop(_not_done, _ply, carry)
+        return result, optimal, judged, (game_keys[jnp.array([0, half])], record)
 
     def evaluate_in_loop(state: TrainState, key) -> dict:
         variables = variables_of(state)
@@ -931,10 +945,12 @@ def make_train(config: Config) -> Trainer:
             return None, play_against(variables, state.hparams, opponent_index, key)
 
         num_opponents = len(opponents)
-        _, (results, optimal, judged) = jax.lax.scan(
+        _, (results, optimal, judged, (record_keys, record_moves)) = jax.lax.scan(
             _play, None, (jnp.arange(num_opponents), jax.random.split(key, num_opponents))
         )
         metrics = {}
+        if config.capture_video:  # [opponents, seats, ...]: replayed on the host into SVGs
+            metrics["record_keys"], metrics["record_moves"] = record_keys, record_moves
         for i, name in enumerate(opponents):
             wins, draws, losses = (
                 jax.lax.psum(jnp.sum(results[i] == r).astype(jnp.float32), DEVICE_AXIS)
@@ -967,8 +983,33 @@ def make_train(config: Config) -> Trainer:
         evaluation = evaluate_in_loop(state._replace(key=key), eval_key)
         nan = jnp.full(num_updates, jnp.nan, jnp.float32)
         for name, value in evaluation.items():
-            metrics[name] = nan.at[-1].set(value.astype(jnp.float32))
+            if name.startswith("record_"):
+                metrics[name] = value
+            else:
+                metrics[name] = nan.at[-1].set(value.astype(jnp.float32))
         return state._replace(key=key), metrics
+
+    def write_game_records(run_dir: str, update: int, records: dict) -> list[str]:
+        """One SVG animation per opponent and seat of the evaluation that ended at `update`,
+        replayed from the game's initial key and its moves with pgx's own renderer."""
+        os.makedirs(os.path.join(run_dir, "games"), exist_ok=True)
+        step = jax.jit(env.step)
+        paths = []
+        for i, opponent in enumerate(opponents):
+            for seat, seat_name in enumerate(("first", "second")):
+                state = env.init(records["record_keys"][i, seat])
+                states = [state]
+                for move in records["record_moves"][i, seat]:
+                    if move < 0:
+                        break
+                    state = step(state, jnp.int32(move))
+                    states.append(state)
+                name = f"iteration{update:06d}_{opponent}_agent_{seat_name}.svg"
+                path = os.path.join(run_dir, "games", name)
+                pgx.save_svg_animation(states, path + ".tmp", frame_duration_seconds=0.5)
+                os.replace(path + ".tmp", path)
+                paths.append(path)
+        return paths
 
     return Trainer(
         algo="az",
@@ -981,6 +1022,7 @@ def make_train(config: Config) -> Trainer:
         headline_metric="eval_mcts_score",
         step_unit="moves",
         updates_per_chunk=config.eval_every,
+        write_records=write_game_records,
     )
 
 

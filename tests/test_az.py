@@ -3,6 +3,7 @@ and Elo against plain references; then whole runs (reproducibility, devices, bad
 marked slow, learning tic_tac_toe."""
 
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -495,3 +496,20 @@ def test_tic_tac_toe_learns_to_never_lose(tmp_path):
         final = json.load(f)["final_metrics_per_seed"][0]
     assert final["eval_random_loss"] == 0.0, final
     assert final["eval_oracle_draw"] >= 0.75, final
+
+
+def test_capture_video_writes_one_game_record_per_opponent_and_seat(tmp_path):
+    result = run_script(*tiny_args(tmp_path), "--num-iterations", "2", "--capture-video")
+    run_dir = run_dir_of(result)
+    names = sorted(os.listdir(os.path.join(run_dir, "games")))
+    assert names == [
+        f"iteration000002_{opponent}_agent_{seat}.svg"
+        for opponent in ("mcts", "oracle", "random")
+        for seat in ("first", "second")
+    ]
+    for name in names:
+        with open(os.path.join(run_dir, "games", name)) as f:
+            svg = f.read()
+        assert "<svg" in svg and "@keyframes" in svg  # a CSS animation of the moves
+    with open(os.path.join(run_dir, "metrics.csv")) as f:
+        assert "record_" not in f.readline()

@@ -50,6 +50,9 @@ class Trainer:
     evaluate: Callable | None
     # (state) -> (obs batch -> action batch), the greedy policy that --capture-video films
     greedy_policy: Callable | None = None
+    # (run_dir, update, records) -> written files: with --capture-video, chunk outputs named
+    # "record_*" are taken out of the metrics and handed to this host function
+    write_records: Callable | None = None
     headline_metric: str = "episode_return"  # the progress bar's number and the final return
     step_unit: str = "steps"  # what steps_per_update counts, for the reports
     updates_per_chunk: int | None = None  # a chunk length the algorithm needs (None: free)
@@ -245,6 +248,7 @@ def run_training(config, make_train: Callable[..., Trainer]) -> dict:
             new_state, metrics = run_chunk(state)
             metrics = {k: np.asarray(v[0]) for k, v in jax.device_get(metrics).items()}
             train_seconds += time.perf_counter() - start
+            records = {k: metrics.pop(k)[0] for k in list(metrics) if k.startswith("record_")}
             with checkpoint.defer_sigint():  # logs and checkpoint of a chunk land together
                 state, first_update = new_state, update + 1
                 update += num_updates
@@ -256,6 +260,10 @@ def run_training(config, make_train: Callable[..., Trainer]) -> dict:
                     wandb_sink.log(first_update, steps_per_update, metrics)
                 checkpoint.save(checkpoint_dir, update, state, meta_now())
                 saved_update = update
+            if records and trainer.write_records is not None:  # the first seed's records
+                written = trainer.write_records(run_dir, update, records)
+                if wandb_sink is not None:
+                    wandb_sink.log_files(update * steps_per_update, written)
             done_steps = (update - start_update) * steps_per_update * num_seeds
             last_returns = metrics[trainer.headline_metric][:, -1]
             mean_return = np.nanmean(last_returns) if np.isfinite(last_returns).any() else np.nan

@@ -92,6 +92,16 @@ class WandbSink:
 
         self.run.log({"video/final": wandb.Video(path, format="gif")})
 
+    def log_files(self, step: int, paths: list[str]):
+        """SVG game records, shown as HTML panels named after the file."""
+        import wandb
+
+        row = {}
+        for path in paths:
+            with open(path) as f:
+                row[f"games/{os.path.splitext(os.path.basename(path))[0]}"] = wandb.Html(f.read())
+        self.run.log(row, step=step)
+
     def finish(self, summary: dict):
         self.run.summary.update({k: v for k, v in summary.items() if not isinstance(v, list)})
         self.run.finish()
