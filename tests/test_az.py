@@ -440,12 +440,32 @@ def test_run_outputs_reproducibility_and_two_devices(tmp_path):
     assert {"eval_oracle_elo_low", "selfplay_game_length", "value_loss"} <= set(header)
 
     # --cpu-devices 2 restarts the process with the host split into two devices.
-    devices = run_dir_of(run_script(*tiny_args(tmp_path / "c"), "--cpu-devices", "2"))
+    devices = run_dir_of(
+        run_script(*tiny_args(tmp_path / "c"), "--cpu-devices", "2", "--capture-video")
+    )
     with open(f"{devices}/summary.json") as f:
         assert json.load(f)["num_devices"] == 2
     leaves = checkpoint_leaves(devices)
     params = [v for v in leaves.values() if v.dtype == np.float32 and v.ndim >= 3]
     assert params and all(np.array_equal(v[0], v[1]) for v in params[:4])
+    assert_game_records(devices, last_evaluation=4)
+
+
+def assert_game_records(run_dir, last_evaluation):
+    """--capture-video: one SVG animation per opponent and seat at each evaluation."""
+    names = sorted(os.listdir(os.path.join(run_dir, "games")))
+    assert names == [
+        f"iteration{update:06d}_{opponent}_agent_{seat}.svg"
+        for update in (last_evaluation // 2, last_evaluation)
+        for opponent in ("mcts", "oracle", "random")
+        for seat in ("first", "second")
+    ]
+    for name in names:
+        with open(os.path.join(run_dir, "games", name)) as f:
+            svg = f.read()
+        assert "<svg" in svg and "@keyframes" in svg  # a CSS animation of the moves
+    with open(os.path.join(run_dir, "metrics.csv")) as f:
+        assert "record_" not in f.readline()
 
 
 def test_presets_help_and_game_names():
@@ -496,20 +516,3 @@ def test_tic_tac_toe_learns_to_never_lose(tmp_path):
         final = json.load(f)["final_metrics_per_seed"][0]
     assert final["eval_random_loss"] == 0.0, final
     assert final["eval_oracle_draw"] >= 0.75, final
-
-
-def test_capture_video_writes_one_game_record_per_opponent_and_seat(tmp_path):
-    result = run_script(*tiny_args(tmp_path), "--num-iterations", "2", "--capture-video")
-    run_dir = run_dir_of(result)
-    names = sorted(os.listdir(os.path.join(run_dir, "games")))
-    assert names == [
-        f"iteration000002_{opponent}_agent_{seat}.svg"
-        for opponent in ("mcts", "oracle", "random")
-        for seat in ("first", "second")
-    ]
-    for name in names:
-        with open(os.path.join(run_dir, "games", name)) as f:
-            svg = f.read()
-        assert "<svg" in svg and "@keyframes" in svg  # a CSS animation of the moves
-    with open(os.path.join(run_dir, "metrics.csv")) as f:
-        assert "record_" not in f.readline()

@@ -42,3 +42,21 @@ def test_az_selfplay_benchmark_runs_with_a_tiny_budget(tmp_path):
     assert row["reference_moves_per_second"] > 0 and row["ours_moves_per_second"] > 0
     assert row["ratio"] > 0
     assert "| tic_tac_toe | 8 | 1 x cpu |" in result.stdout
+
+
+def test_gpu_benchmark_smoke_mode_runs_on_cpu(tmp_path):
+    out = tmp_path / "gpu.json"
+    result = run_script("benchmarks/gpu.py", "--smoke", "--out", str(out), timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert results["smoke"] and results["backend"] == "cpu"
+    assert set(results["runs"]) == {
+        "ppo_cartpole_2048_envs",
+        "ppo_cartpole_256_seeds",
+        "ppo_breakout_minatar_1e7",
+        "dqn_cartpole_128_seeds",
+        "az_connect_four_1024_games",
+    }
+    for row in results["runs"].values():
+        assert row["per_second_all_seeds"] > 0 and row["compile_seconds"] > 0
+    assert results["runs"]["az_connect_four_1024_games"]["unit"] == "moves"

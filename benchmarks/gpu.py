@@ -1,0 +1,122 @@
+"""The accelerator benchmark: five runs that show what one GPU does, in one JSON file.
+
+    python benchmarks/gpu.py --out gpu.json             # on a CUDA machine, under 5 minutes
+    python benchmarks/gpu.py --smoke --out smoke.json   # the same runs, tiny, on any CPU
+
+Runs, each through the normal driver (metrics.csv and checkpoints as in a user's run, no
+progress bar, no final evaluation): PPO CartPole with 2048 envs; PPO CartPole with 256 vmapped
+seeds; PPO Breakout-MinAtar for 1e7 steps at its preset; DQN CartPole with 128 seeds;
+AlphaZero connect_four with 1024 games. Each row has steps (or moves) per second over all
+seeds, compile seconds and wall seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+
+import jax
+import tyro
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import purejaxrl_az
+import purejaxrl_dqn
+import purejaxrl_ppo
+from utils.cli import parse_config
+from utils.driver import run_training
+
+
+@dataclasses.dataclass
+class Args:
+    smoke: bool = False
+    """tiny sizes, so that the script can be checked on a CPU in about a minute"""
+    out: str = "gpu_benchmark.json"
+    """where the JSON results go"""
+
+
+# name -> (trainer, flags at full size, flags in --smoke mode)
+RUNS = {
+    "ppo_cartpole_2048_envs": (
+        purejaxrl_ppo,
+        "--env CartPole --num-envs 2048 --num-steps 16 --num-minibatches 4 "
+        "--total-timesteps 20000000",
+        "--env CartPole --num-envs 16 --num-steps 16 --num-minibatches 4 --total-timesteps 2048",
+    ),
+    "ppo_cartpole_256_seeds": (
+        purejaxrl_ppo,
+        "--env CartPole --num-seeds 256 --total-timesteps 500000",
+        "--env CartPole --num-seeds 4 --num-envs 4 --num-steps 16 --total-timesteps 1024",
+    ),
+    "ppo_breakout_minatar_1e7": (
+        purejaxrl_ppo,
+        "--env Breakout --total-timesteps 10000000",
+        "--env Breakout --num-envs 8 --num-steps 16 --total-timesteps 2048",
+    ),
+    "dqn_cartpole_128_seeds": (
+        purejaxrl_dqn,
+        "--env CartPole --num-seeds 128 --total-timesteps 500000",
+        "--env CartPole --num-seeds 4 --total-timesteps 2000 --learning-starts 500 "
+        "--buffer-size 1000",
+    ),
+    "az_connect_four_1024_games": (
+        purejaxrl_az,
+        "--env connect_four --num-games 1024 --rollout-steps 32 --buffer-size 262144 "
+        "--num-iterations 20 --minibatch-size 2048 --eval-every 20",
+        "--env connect_four --num-games 16 --rollout-steps 4 --buffer-size 256 "
+        "--num-iterations 2 --minibatch-size 16 --eval-every 2 --eval-episodes 4 "
+        "--num-simulations 4 --baseline-sims 2 --num-channels 8 --num-blocks 1",
+    ),
+}
+
+
+def main(args: Args) -> dict:
+    results = {
+        "date": time.strftime("%Y-%m-%d"),
+        "devices": [str(d.device_kind) for d in jax.devices()],
+        "backend": jax.default_backend(),
+        "jax": jax.__version__,
+        "python": platform.python_version(),
+        "smoke": args.smoke,
+        "runs": {},
+    }
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as runs_dir:
+        for name, (trainer, full, smoke) in RUNS.items():
+            flags = smoke if args.smoke else full
+            cli = [*flags.split(), "--runs-dir", runs_dir, "--no-progress"]
+            if trainer is purejaxrl_az:  # evaluates inside its loop, on the devices it finds
+                cli += ["--eval-episodes", "4" if args.smoke else "64", "--cpu-devices", "0"]
+                config = parse_config(
+                    trainer.Config, trainer.PRESETS, cli, preset_key=trainer.resolve_game
+                )
+            else:
+                cli += ["--eval-episodes", "0"]
+                config = parse_config(trainer.Config, trainer.PRESETS, cli)
+            summary = run_training(config, trainer.make_train)
+            results["runs"][name] = {
+                "flags": flags,
+                "unit": summary["step_unit"],
+                "per_second_all_seeds": round(summary["steps_per_second"]),
+                "compile_seconds": round(summary["compile_seconds"], 2),
+                "wall_seconds": round(summary["wall_seconds"], 2),
+                "final": summary["final_return_mean"],
+            }
+    results["total_seconds"] = round(time.perf_counter() - start, 1)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=2)
+    for name, row in results["runs"].items():
+        print(
+            f"{name}: {row['per_second_all_seeds']:,} {row['unit']}/s, "
+            f"compile {row['compile_seconds']} s, wall {row['wall_seconds']} s"
+        )
+    return results
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args, description=__doc__))
