@@ -165,7 +165,8 @@ def main(args: Args) -> list[dict]:
             )
             cli = ["--env", game, "--num-games", num_games, "--runs-dir", runs_dir]
             cli += ["--num-iterations", str(args.iterations), "--no-progress"]
-            cli += ["--num-simulations", str(args.num_simulations), *args.extra.split()]
+            cli += ["--num-simulations", str(args.num_simulations), "--cpu-devices"]
+            cli += [str(args.cpu_devices), *args.extra.split()]  # the benchmark sets devices
             config = parse_config(
                 purejaxrl_az.Config, purejaxrl_az.PRESETS, cli, preset_key=purejaxrl_az.resolve_game
             )

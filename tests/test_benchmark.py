@@ -33,7 +33,7 @@ def test_az_selfplay_benchmark_runs_with_a_tiny_budget(tmp_path):
         "--rollout-steps", "4",
         "--num-simulations", "4",
         "--extra=--eval-every 2 --eval-episodes 4 --baseline-sims 2 --minibatch-size 8 "
-        "--buffer-size 64 --rollout-steps 4 --num-channels 8 --num-blocks 1 --cpu-devices 0",
+        "--buffer-size 64 --rollout-steps 4 --num-channels 8 --num-blocks 1",
         "--out", str(out),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
