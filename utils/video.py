@@ -33,10 +33,9 @@ RENDERABLE_ENVS = frozenset(
 )
 
 
-def rollout_states(env_id: str, policy, key):
-    """One episode of `policy` (obs batch -> action batch) in the plain gymnax env: the env
+def rollout_states(env, env_params, policy, key):
+    """One episode of `policy` (obs batch -> action batch) in a plain gymnax env: the env
     states it passed through (a list, first state first) and its return."""
-    env, env_params = gymnax.make(env_id)
     max_steps = int(env_params.max_steps_in_episode)
 
     def _step(carry, step_key):
@@ -74,8 +73,8 @@ def write_episode_gif(env_id: str, policy, key, path: str) -> str | None:
     # pygame draws the classic-control envs off screen, without a display or sound card.
     os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
     os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
-    states, _ = rollout_states(env_id, policy, key)
     env, env_params = gymnax.make(env_id)
+    states, _ = rollout_states(env, env_params, policy, key)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp.gif"
     Visualizer(env, env_params, states).animate(tmp)
