@@ -1,9 +1,32 @@
 import os
+import shutil
+import tempfile
 
 import pytest
 
 # Tests never talk to wandb's servers.
 os.environ.setdefault("WANDB_MODE", "disabled")
+
+# One persistent JAX compilation cache for the whole session, shared by the xdist workers and
+# every subprocess: many tests train the same tiny programs, and a cache hit turns seconds of
+# XLA compilation into a file read. Each session starts with an empty cache, so nothing
+# compiled by older code is ever reused.
+_CACHE_VARIABLE = "PUREJAXRL_TESTS_JAX_CACHE"
+_OWNS_CACHE = _CACHE_VARIABLE not in os.environ  # the xdist controller, or a plain session
+if _OWNS_CACHE:
+    os.environ[_CACHE_VARIABLE] = tempfile.mkdtemp(prefix="purejaxrl-tests-jax-cache-")
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ[_CACHE_VARIABLE]
+
+
+def pytest_configure(config):
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_VARIABLE])
+
+
+def pytest_unconfigure(config):
+    if _OWNS_CACHE:
+        shutil.rmtree(os.environ[_CACHE_VARIABLE], ignore_errors=True)
 
 
 @pytest.fixture
