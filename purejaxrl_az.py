@@ -43,6 +43,7 @@ from utils.devices import DEVICE_AXIS
 from utils.driver import Trainer, run_training
 from utils.errors import ConfigError
 from utils.layers import Conv3x3
+from utils.sweep import num_configs
 
 
 @dataclasses.dataclass
@@ -652,14 +653,14 @@ def make_train(config: Config) -> Trainer:
     )
     oracle_table = jnp.asarray(solve_tic_tac_toe()) if game == "tic_tac_toe" else None
     # One set of parameters, two ways to compute its convolutions (utils/layers.py): with one
-    # seed, search runs XLA's convolution (self-play about 10% faster on CPU); SGD, and all of
-    # it with vmapped seeds, the matmul form (XLA's convolution gradient in a loop: ~30x slower).
+    # run, search runs XLA's convolution (self-play about 10% faster on CPU); SGD, and all of
+    # it with vmapped seeds or sweep configurations, the matmul form (XLA's convolution gradient in a loop: ~30x slower).
     network = ResNet(
         num_actions,
         config.num_blocks,
         config.num_channels,
         config.batch_norm,
-        conv_as_matmul=config.num_seeds > 1,
+        conv_as_matmul=config.num_seeds * num_configs(config.sweep) > 1,
     )
     learner = network.clone(conv_as_matmul=True)
 
@@ -691,8 +692,9 @@ def make_train(config: Config) -> Trainer:
     def new_games(key, num_games: int):
         return jax.vmap(env.init)(jax.random.split(key, num_games))
 
-    def init(key) -> TrainState:
-        hp = HyperParams(*(jnp.float32(getattr(config, f)) for f in HyperParams._fields))
+    hyperparams = HyperParams(*(np.float32(getattr(config, f)) for f in HyperParams._fields))
+
+    def init(key, hp: HyperParams) -> TrainState:
         params_key, run_key = jax.random.split(key)
         # Same parameters on every device; games, search noise and sampling differ.
         run_key = jax.random.fold_in(run_key, jax.lax.axis_index(DEVICE_AXIS))
@@ -1016,6 +1018,7 @@ def make_train(config: Config) -> Trainer:
         env_id=game,
         num_updates=config.num_iterations,
         steps_per_update=config.num_games * config.rollout_steps,
+        hyperparams=hyperparams,
         init=init,
         train_chunk=train_chunk,
         evaluate=None,

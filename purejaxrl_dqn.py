@@ -24,6 +24,7 @@ from typing import Literal, NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from utils.cli import RunConfig, exit_on_config_error, parse_config, require_positive
@@ -380,15 +381,14 @@ def make_train(config: Config) -> Trainer:
         max_norm = jnp.where(hp.max_grad_norm > 0, hp.max_grad_norm, jnp.inf)
         return optax.chain(optax.clip_by_global_norm(max_norm), optax.adam(hp.learning_rate))
 
-    def init(key) -> TrainState:
-        hp = HyperParams(
-            *(
-                jnp.asarray(
-                    getattr(config, f), jnp.int32 if f in INTEGER_HYPERPARAMS else jnp.float32
-                )
-                for f in HyperParams._fields
-            )
+    hyperparams = HyperParams(
+        *(
+            np.asarray(getattr(config, f), np.int32 if f in INTEGER_HYPERPARAMS else np.float32)
+            for f in HyperParams._fields
         )
+    )
+
+    def init(key, hp: HyperParams) -> TrainState:
         params_key, run_key = jax.random.split(key)
         # Same parameters on every device; environments, exploration and sampling differ.
         run_key = jax.random.fold_in(run_key, jax.lax.axis_index(DEVICE_AXIS))
@@ -531,6 +531,7 @@ def make_train(config: Config) -> Trainer:
         env_id=spec.env_id,
         num_updates=num_updates,
         steps_per_update=steps_per_update,
+        hyperparams=hyperparams,
         init=init,
         train_chunk=train_chunk,
         evaluate=evaluate,

@@ -370,8 +370,9 @@ def make_train(config: Config) -> Trainer:
             optax.clip_by_global_norm(hp.max_grad_norm), optax.adam(learning_rate, eps=1e-5)
         )
 
-    def init(key) -> RunnerState:
-        hp = HyperParams(*(jnp.float32(getattr(config, f)) for f in HyperParams._fields))
+    hyperparams = HyperParams(*(np.float32(getattr(config, f)) for f in HyperParams._fields))
+
+    def init(key, hp: HyperParams) -> RunnerState:
         init_key, env_key = jax.random.split(key)
         # Same parameters on every device; environments and sampling differ per device.
         env_key = jax.random.fold_in(env_key, jax.lax.axis_index(DEVICE_AXIS))
@@ -508,6 +509,7 @@ def make_train(config: Config) -> Trainer:
         env_id=spec.env_id,
         num_updates=num_updates,
         steps_per_update=steps_per_update,
+        hyperparams=hyperparams,
         init=init,
         train_chunk=train_chunk,
         evaluate=evaluate,

@@ -3,10 +3,12 @@
     python benchmarks/throughput.py            # PPO and DQN on CartPole, PPO on Breakout-MinAtar
     python benchmarks/throughput.py --runs dqn:Breakout:1000000 "ppo:Acrobot:500000:--num-envs 8"
 
-For each run (algo:env:env_steps[:extra flags]) the trainer runs at the env's preset through the normal driver (progress bar, metrics.csv
-and checkpoints at their default frequency), one seed. Its env steps per second exclude
-compilation. The limit is the same batch of environments stepped by a uniform-random policy
-inside one jitted scan: what the hardware does with no learning at all.
+For each run (algo:env:env_steps[:extra flags]) the trainer runs at the env's preset through the
+normal driver (progress bar, metrics.csv and checkpoints at their default frequency), one seed
+unless the flags say otherwise. Its env steps per second, all seeds and sweep configurations
+together, exclude compilation. The limit is the same batch of environments (times the runs)
+stepped by a uniform-random policy inside one jitted scan: what the hardware does with no
+learning at all.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import purejaxrl_ppo
 from utils.cli import parse_config
 from utils.driver import run_training
 from utils.envs import make_env
+from utils.sweep import num_configs
 
 TRAINERS = {"ppo": purejaxrl_ppo, "dqn": purejaxrl_dqn}
 
@@ -40,6 +43,8 @@ class Args:
         "ppo:Breakout:2000000:--hidden-size 64 --ent-coef 0.01",  # PureJaxRL's network
         "ppo:Breakout:2000000",
         "dqn:CartPole:500000",
+        "ppo:CartPole:500000:--num-seeds 12",
+        "ppo:CartPole:500000:--num-seeds 4 --sweep lr=2.5e-4,1e-3,1e-4",
     )
     """algo:env:env_steps[:extra flags], each at the env's preset plus the extra flags"""
     progress: bool = True
@@ -89,8 +94,12 @@ def main(args: Args) -> list[dict]:
             cli += ["--eval-episodes", "0"] + ([] if args.progress else ["--no-progress"])
             config = parse_config(trainer.Config, trainer.PRESETS, cli)
             summary = run_training(config, trainer.make_train)
+            # every run (seed x sweep configuration) steps its own batch of environments
+            num_runs = config.num_seeds * num_configs(config.sweep)
             limit = random_policy_steps_per_second(
-                env_name, config.num_envs, summary["env_steps_per_seed"] // config.num_envs
+                env_name,
+                config.num_envs * num_runs,
+                summary["env_steps_per_seed"] // config.num_envs,
             )
             results.append(
                 {
@@ -98,6 +107,7 @@ def main(args: Args) -> list[dict]:
                     "env_id": summary["env_id"],
                     "extra_flags": extra[0] if extra else "",
                     "num_envs": config.num_envs,
+                    "runs": num_runs,
                     "env_steps": summary["env_steps_per_seed"],
                     "train_steps_per_second": round(summary["steps_per_second"]),
                     "compile_seconds": round(summary["compile_seconds"], 2),

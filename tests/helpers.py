@@ -1,6 +1,7 @@
 """Helpers shared by the tests."""
 
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -33,11 +34,26 @@ def checkpoint_leaves(run_dir) -> dict[str, np.ndarray]:
     return ocp.PyTreeCheckpointer().restore(str(checkpoints[-1].resolve()))["leaves"]
 
 
-def metric_table(run_dir, seed_index) -> np.ndarray:
-    """metrics.csv of one seed as [updates, metrics], without the key columns."""
+def _summary(run_dir) -> dict:
+    """summary.json of a finished run ({} while it is unfinished)."""
+    path = os.path.join(run_dir, "summary.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def metric_table(run_dir, seed_index, config_index=0) -> np.ndarray:
+    """metrics.csv of one seed (of one sweep configuration) as [updates, metrics], without the
+    columns that name the run."""
+    swept = _summary(run_dir).get("sweep", {}).get("parameters", [])
     with open(os.path.join(run_dir, "metrics.csv"), newline="") as f:
-        rows = [r for r in csv.DictReader(f) if int(r["seed"]) == seed_index]
-    names = [k for k in rows[0] if k not in ("update", "env_steps", "seed")]
+        rows = [
+            r
+            for r in csv.DictReader(f)
+            if int(r["seed"]) == seed_index and int(r.get("config", 0)) == config_index
+        ]
+    names = [k for k in rows[0] if k not in ("update", "env_steps", "seed", "config", *swept)]
     return np.array([[float(r[k]) for k in names] for r in rows])
 
 
@@ -50,13 +66,20 @@ def assert_identical_runs(first_dir, second_dir):
 
 
 def assert_seed_matches_single_run(together: dict, index: int, alone: dict):
-    """Seed `index` of a vmapped run (summary dicts) equals a single run with that seed."""
+    """Run `index` of a vmapped run (summary dicts; runs are sweep configurations x seeds,
+    configuration-major) equals a single run with that seed and those hyperparameters."""
     assert together["eval_return_per_seed"][index] == alone["eval_return_per_seed"][0]
+    num_configs = together.get("sweep", {}).get("num_configs", 1)
+    num_seeds = len(together["seeds"]) // num_configs
+    config_index, seed_index = divmod(index, num_seeds)
     together, alone = together["run_dir"], alone["run_dir"]
     # Batched and unbatched matmuls may round differently: equal up to float32 noise.
     np.testing.assert_allclose(
-        metric_table(together, index), metric_table(alone, 0), rtol=1e-4, atol=1e-6
+        metric_table(together, seed_index, config_index),
+        metric_table(alone, 0),
+        rtol=1e-4,
+        atol=1e-6,
     )
     a, b = checkpoint_leaves(together), checkpoint_leaves(alone)
-    for name in a:  # every leaf is [devices, seeds, ...]
+    for name in a:  # every leaf is [devices, runs, ...]
         np.testing.assert_allclose(a[name][:, index], b[name][:, 0], rtol=1e-4, atol=1e-6)

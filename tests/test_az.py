@@ -439,12 +439,17 @@ def test_run_outputs_reproducibility_and_two_devices(tmp_path):
         header = f.readline().strip().split(",")
     assert {"eval_oracle_elo_low", "selfplay_game_length", "value_loss"} <= set(header)
 
-    # --cpu-devices 2 restarts the process with the host split into two devices.
+    # --cpu-devices 2 restarts the process with the host split into two devices; a sweep of
+    # two learning rates vmaps two runs through self-play, SGD and the in-loop evaluation.
+    sweep = ["--sweep", "lr=1e-3,3e-3"]
     devices = run_dir_of(
-        run_script(*tiny_args(tmp_path / "c"), "--cpu-devices", "2", "--capture-video")
+        run_script(*tiny_args(tmp_path / "c"), "--cpu-devices", "2", "--capture-video", *sweep)
     )
     with open(f"{devices}/summary.json") as f:
-        assert json.load(f)["num_devices"] == 2
+        summary = json.load(f)
+    assert summary["num_devices"] == 2
+    ranking = summary["sweep"]["ranking"]
+    assert sorted(r["hyperparams"]["learning_rate"] for r in ranking) == [1e-3, 3e-3]
     leaves = checkpoint_leaves(devices)
     params = [v for v in leaves.values() if v.dtype == np.float32 and v.ndim >= 3]
     assert params and all(np.array_equal(v[0], v[1]) for v in params[:4])

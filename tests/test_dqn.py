@@ -72,7 +72,8 @@ def checkpoint_state(run_dir):
         config = Config(**json.load(f))
     trainer = make_train(config)
     shapes = jax.eval_shape(
-        jax.vmap(trainer.init, axis_name=DEVICE_AXIS), jax.random.split(jax.random.PRNGKey(0), 1)
+        jax.vmap(lambda key: trainer.init(key, trainer.hyperparams), axis_name=DEVICE_AXIS),
+        jax.random.split(jax.random.PRNGKey(0), 1),
     )
     leaves = checkpoint_leaves(run_dir)
     return jax.tree.unflatten(
@@ -261,7 +262,9 @@ def tiny_trainer(tmp_path_factory):
     args = tiny_args(tmp_path_factory.mktemp("runs"))
     config = dataclasses.replace(parse_config(Config, PRESETS, args), num_devices=1)
     trainer = make_train(config)
-    state = jax.pmap(trainer.init, axis_name=DEVICE_AXIS)(jax.random.PRNGKey(0)[None])
+    state = jax.pmap(lambda key: trainer.init(key, trainer.hyperparams), axis_name=DEVICE_AXIS)(
+        jax.random.PRNGKey(0)[None]
+    )
     run = jax.pmap(lambda state: trainer.train_chunk(state, 8), axis_name=DEVICE_AXIS)
     return config, state, run.lower(state).compile()
 
@@ -323,7 +326,8 @@ def test_networks_and_minatar_buffer_dtype(tmp_path):
     config = dataclasses.replace(parse_config(Config, PRESETS, args), num_devices=1)
     trainer = make_train(config)
     state, metrics = jax.pmap(
-        lambda key: trainer.train_chunk(trainer.init(key), 10), axis_name=DEVICE_AXIS
+        lambda key: trainer.train_chunk(trainer.init(key, trainer.hyperparams), 10),
+        axis_name=DEVICE_AXIS,
     )(jax.random.PRNGKey(0)[None])
     assert state.buffer.data.obs.dtype == np.uint8  # MinAtar's 0/1 channels, 4x smaller
     assert state.buffer.data.obs.shape == (1, 64, 4, 10, 10, 4)
@@ -374,10 +378,15 @@ def test_same_seed_same_numbers(tiny_dqn_args):
     assert_identical_runs(train(tiny_dqn_args)["run_dir"], train(tiny_dqn_args)["run_dir"])
 
 
-def test_vmapped_seed_equals_single_run(tiny_dqn_args):
-    together = train([*tiny_dqn_args, "--seed", "1", "--num-seeds", "3"])
-    alone = train([*tiny_dqn_args, "--seed", "2"])
-    assert_seed_matches_single_run(together, 1, alone)
+def test_vmapped_run_equals_single_run(tiny_dqn_args):
+    """Seed i of sweep configuration k equals a single run with that seed and those values;
+    the sweep varies an integer hyperparameter too."""
+    sweep = ["--sweep", "target-network-frequency=32,64", "gamma=0.9,0.99"]
+    together = train([*tiny_dqn_args, "--seed", "1", "--num-seeds", "2", *sweep])
+    alone = train(
+        [*tiny_dqn_args, "--seed", "2", "--target-network-frequency", "64", "--gamma", "0.9"]
+    )
+    assert_seed_matches_single_run(together, 2 * 2 + 1, alone)  # configuration 2, seed index 1
 
 
 def test_two_devices_share_parameters_not_environments(tiny_dqn_args):

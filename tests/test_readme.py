@@ -12,8 +12,11 @@ import sys
 import pytest
 
 import purejaxrl_az
+import purejaxrl_ppo
 from tests.helpers import REPO, run_script
 from utils.cli import parse_config
+from utils.devices import process_group
+from utils.sweep import sweep_configs
 
 README = (REPO / "README.md").read_text()
 
@@ -33,7 +36,7 @@ def commands(text: str, program: str) -> list[list[str]]:
     """Command lines that start with `program`, without their trailing comments."""
     found = []
     for block in code_blocks(text):
-        for line in block.splitlines():
+        for line in block.replace("\\\n", " ").splitlines():
             if line.startswith(program):
                 found.append(shlex.split(line, comments=True))
     return found
@@ -60,6 +63,19 @@ def test_run_section_commands_parse_and_build(argv):
     config = parse_config(module.Config, module.PRESETS, args, **extra)
     trainer = module.make_train(dataclasses.replace(config, num_devices=1))
     assert trainer.num_updates >= 1
+    assert sweep_configs(config, trainer.hyperparams._fields)
+
+
+def test_many_machines_commands_name_a_process_group():
+    found = commands(section("Many machines"), "python purejaxrl_")
+    assert len(found) == 2
+    for process_id, argv in enumerate(found):
+        config = parse_config(purejaxrl_ppo.Config, purejaxrl_ppo.PRESETS, argv[2:])
+        assert process_group(config) == {
+            "coordinator_address": "10.0.0.1:1234",
+            "num_processes": 2,
+            "process_id": process_id,
+        }
 
 
 TABLE_ROW = re.compile(r"^\| [^|]+ \| (`[^`]+`|each trainer) \| (.+) \|$", re.M)

@@ -10,7 +10,6 @@ import pytest
 from purejaxrl_ppo import PRESETS, Config, make_train
 from tests.helpers import (
     assert_identical_runs,
-    assert_seed_matches_single_run,
     checkpoint_leaves,
     metric_table,
     run_script,
@@ -63,17 +62,6 @@ def test_same_seed_same_numbers(tiny_ppo_args):
     assert_identical_runs(train(tiny_ppo_args)["run_dir"], train(tiny_ppo_args)["run_dir"])
 
 
-def test_vmapped_seed_equals_single_run_and_seeds_differ(tiny_ppo_args):
-    together = train([*tiny_ppo_args, "--seed", "1", "--num-seeds", "3"])
-    alone = train([*tiny_ppo_args, "--seed", "2"])
-    assert_seed_matches_single_run(together, 1, alone)
-    together = together["run_dir"]
-    assert not np.allclose(metric_table(together, 0), metric_table(together, 1))
-    a = checkpoint_leaves(together)
-    params_seed_0 = a["00000"][:, 0]  # independent initialisation per seed
-    assert not np.allclose(params_seed_0, a["00000"][:, 1])
-
-
 def test_interrupted_and_resumed_equals_uninterrupted(tiny_ppo_args, monkeypatch):
     uninterrupted = train(tiny_ppo_args)["run_dir"]
 
@@ -108,7 +96,7 @@ def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):
         os.makedirs(str(path) + ".orbax-checkpoint-tmp-0")  # a half-written directory
         raise OSError("disk full")
 
-    monkeypatch.setattr(checkpoint.ocp.PyTreeCheckpointer, "save", crash)
+    monkeypatch.setattr(checkpoint.ocp.Checkpointer, "save", crash)
     with pytest.raises(OSError):
         checkpoint.save(str(tmp_path), 2, {"w": np.zeros(3)}, {"update": 2})
     assert checkpoint.latest_update(str(tmp_path)) == 1

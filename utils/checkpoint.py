@@ -70,11 +70,21 @@ def save(directory: str, update: int, state, meta: dict) -> str:
     path = os.path.join(os.path.abspath(directory), f"update_{update:08d}")
     with defer_sigint():
         if not os.path.exists(path):
-            ocp.PyTreeCheckpointer().save(path, tree)
+            _checkpointer().save(path, tree)
         for _, name in _checkpoints(directory):
             if name != os.path.basename(path):
                 shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
     return path
+
+
+def _checkpointer() -> ocp.Checkpointer:
+    """Orbax's PyTree checkpointer, told that process 0 saves alone: in a multi-process run
+    the other processes never call it, and by default orbax would wait for them."""
+    alone = ocp.options.MultiprocessingOptions(primary_host=0, active_processes={0})
+    return ocp.Checkpointer(
+        ocp.PyTreeCheckpointHandler(multiprocessing_options=alone),
+        multiprocessing_options=alone,
+    )
 
 
 def latest_update(directory: str) -> int | None:
@@ -87,7 +97,7 @@ def restore(directory: str, template):
     found = _checkpoints(directory)
     if not found:
         raise ConfigError(f"--resume: no checkpoint found in {directory!r}")
-    tree = ocp.PyTreeCheckpointer().restore(os.path.join(os.path.abspath(directory), found[-1][1]))
+    tree = _checkpointer().restore(os.path.join(os.path.abspath(directory), found[-1][1]))
     template_leaves, treedef = jax.tree.flatten(template)
     leaves = [tree["leaves"][f"{i:05d}"] for i in range(len(tree["leaves"]))]
     shapes_match = len(leaves) == len(template_leaves) and all(

@@ -23,12 +23,31 @@ class RunConfig:
     """seed of the first run; seed i of `--num-seeds N` uses seed + i"""
     num_seeds: int = 1
     """independent seeds trained at once in one compiled program (jax.vmap)"""
+    sweep: tuple[str, ...] = ()
+    """NAME=V1,V2,... ...: train every combination of these hyperparameter values, each with
+    --num-seeds seeds, in one compiled program (e.g. --sweep lr=1e-3,3e-4 ent-coef=0,0.01).
+    Only values that change no array shape can vary: learning rate, discounts, coefficients,
+    exploration and search temperatures; summary.json ranks the configurations"""
     num_devices: int = 0
     """devices to split the environments over (jax.pmap); 0 means all local devices"""
     cpu_devices: int = 0
     """on a CPU-only host, split the CPU into this many XLA devices (-1: one per core; the
     process restarts itself once to apply it); 0 keeps JAX's single CPU device. Ignored on
     GPU/TPU hosts"""
+    distributed: bool = False
+    """join a multi-process run (jax.distributed; every process runs the same command): on
+    SLURM, Open MPI, Kubernetes and Cloud TPU, JAX finds its peers itself; elsewhere give
+    --coordinator-address, --num-processes and --process-id. Gradients are averaged over every
+    device of every process; process 0 alone writes the run directory"""
+    coordinator_address: str | None = None
+    """host:port of process 0 in a multi-process run (implies --distributed; default
+    $JAX_COORDINATOR_ADDRESS or the cluster's)"""
+    num_processes: int | None = None
+    """processes in a multi-process run (implies --distributed; default $JAX_NUM_PROCESSES or
+    the cluster's)"""
+    process_id: int | None = None
+    """this process's index in a multi-process run, 0 to num_processes - 1 (implies
+    --distributed; default $JAX_PROCESS_ID or the cluster's)"""
     track: bool = False
     """log to Weights & Biases (never contacted unless this is set)"""
     wandb_project_name: str = "purejaxrl"
@@ -101,6 +120,8 @@ def parse_config(
     if resume is not None:
         saved = load_saved_config(resume)
         names = {f.name for f in dataclasses.fields(config_cls)}
+        # JSON stores tuples (--sweep) as lists
+        saved = {k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()}
         default = config_cls(**{k: v for k, v in saved.items() if k in names})
     else:
         env = _flag_value(args, "env") or config_cls.env

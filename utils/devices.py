@@ -1,7 +1,9 @@
 """Device helpers: how many devices a run uses, and the pmap axis name the trainers share."""
 
+import json
 import os
 import re
+import runpy
 import sys
 
 import jax
@@ -21,42 +23,120 @@ def available_cores() -> int:
     return os.cpu_count() or 1
 
 
-def split_cpu_host(num_cpu_devices: int) -> None:
-    """Give the CPU backend `num_cpu_devices` devices (0: leave it alone, -1: one per core).
+def split_cpu_host(num_cpu_devices: int, processes: dict | None = None) -> None:
+    """Give the CPU backend `num_cpu_devices` devices (0: leave it alone, -1: one per core) and,
+    with `processes` (jax.distributed.initialize's arguments, None values for "ask the cluster
+    or JAX's environment variables"), join a multi-process run.
 
-    JAX fixes the CPU device count when its backend starts, and importing gymnax or pgx already
-    starts it. So when the count differs, the process restarts itself once (same interpreter,
-    same arguments) with the XLA flag set. On a GPU or TPU host the flag does nothing.
+    JAX fixes the CPU device count when its backend starts, and jax.distributed must start
+    before the backend does, yet importing gymnax or pgx already starts it. So when either is
+    needed, the process restarts itself once (same interpreter, same arguments) with the XLA
+    flag in the environment and, for several processes, through a small launcher that joins
+    the process group before the script runs. On a GPU or TPU host the CPU split does nothing.
     """
     if num_cpu_devices < -1:
         raise ConfigError(
             f"--cpu-devices must be >= -1 (0: JAX's default, -1: one per core), got "
             f"{num_cpu_devices}"
         )
-    if num_cpu_devices == 0 or jax.default_backend() != "cpu":
-        return
     if num_cpu_devices == -1:
         num_cpu_devices = available_cores()
-    if jax.local_device_count() == num_cpu_devices:
+    split = num_cpu_devices > 0 and jax.default_backend() == "cpu"
+    resplit = split and jax.local_device_count() != num_cpu_devices
+    join = processes is not None and not jax.distributed.is_initialized()
+    if not (resplit or join):
         return
-    flags = re.sub(rf"{_DEVICE_COUNT_FLAG}=\S+", "", os.environ.get("XLA_FLAGS", ""))
-    if os.environ.get("PUREJAXRL_CPU_DEVICES") == str(num_cpu_devices):
+    asked = f"cpu_devices={num_cpu_devices if split else 0} join={join}"
+    if os.environ.get(_RESTARTED) == asked:
         raise ConfigError(
             f"--cpu-devices {num_cpu_devices}: JAX still shows {jax.local_device_count()} CPU "
             "device(s) after restarting with XLA_FLAGS set; is XLA_FLAGS overridden elsewhere?"
+            if resplit
+            else "--distributed: the process group did not start after restarting"
         )
-    os.environ["XLA_FLAGS"] = f"{flags} {_DEVICE_COUNT_FLAG}={num_cpu_devices}".strip()
-    os.environ["PUREJAXRL_CPU_DEVICES"] = str(num_cpu_devices)
+    if split:
+        flags = re.sub(rf"{_DEVICE_COUNT_FLAG}=\S+", "", os.environ.get("XLA_FLAGS", ""))
+        os.environ["XLA_FLAGS"] = f"{flags} {_DEVICE_COUNT_FLAG}={num_cpu_devices}".strip()
+    os.environ[_RESTARTED] = asked
+    command = [sys.executable, *sys.orig_argv[1:]]
+    if join:
+        script = sys.orig_argv[1] if len(sys.orig_argv) > 1 else "-"
+        if script.startswith("-") or not os.path.isfile(script):
+            raise ConfigError(
+                "--distributed runs start from a trainer script, e.g. "
+                "python purejaxrl_ppo.py --distributed ..."
+            )
+        os.environ[_PROCESSES] = json.dumps(processes)
+        command = [sys.executable, "-c", _LAUNCHER, *sys.orig_argv[1:]]
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+    os.execv(sys.executable, command)
+
+
+# What split_cpu_host restarted this process for, so that it never restarts in a loop.
+_RESTARTED = "PUREJAXRL_RESTARTED"
+# jax.distributed.initialize's arguments, as JSON, for the launcher.
+_PROCESSES = "PUREJAXRL_PROCESSES"
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_LAUNCHER = (
+    f"import sys; sys.path.insert(0, {_REPO!r}); "
+    "from utils.devices import join_processes_and_run; join_processes_and_run()"
+)
+
+
+def join_processes_and_run() -> None:
+    """The launcher behind `python -c _LAUNCHER script.py args`: start jax.distributed, then
+    run the script as __main__ with its own arguments."""
+    arguments = {k: v for k, v in json.loads(os.environ[_PROCESSES]).items() if v is not None}
+    jax.distributed.initialize(**arguments)
+    sys.argv = sys.argv[1:]
+    runpy.run_path(sys.argv[0], run_name="__main__")
+
+
+def process_group(config) -> dict | None:
+    """jax.distributed.initialize's arguments for a multi-process run, None for one process.
+    Unset flags fall back to JAX_NUM_PROCESSES / JAX_PROCESS_ID, then to the cluster (SLURM,
+    Open MPI, Kubernetes, Cloud TPU), which JAX detects; JAX reads JAX_COORDINATOR_ADDRESS
+    itself."""
+    given = (config.coordinator_address, config.num_processes, config.process_id)
+    if not config.distributed and all(value is None for value in given):
+        return None
+    num_processes = config.num_processes or _env_int("JAX_NUM_PROCESSES")
+    process_id = config.process_id if config.process_id is not None else _env_int("JAX_PROCESS_ID")
+    if num_processes is not None and num_processes < 1:
+        raise ConfigError(f"--num-processes must be >= 1, got {num_processes}")
+    if process_id is not None and not 0 <= process_id < (num_processes or process_id + 1):
+        raise ConfigError(f"--process-id {process_id} is not in [0, {num_processes})")
+    return {
+        "coordinator_address": config.coordinator_address,
+        "num_processes": num_processes,
+        "process_id": process_id,
+    }
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"${name} must be an integer, got {value!r}") from None
 
 
 def resolve_num_devices(requested: int) -> int:
-    """`requested` local devices, or all of them for 0; a clear error if there are too few."""
+    """`requested` local devices, or all of them for 0; a clear error if there are too few.
+    A multi-process run uses every device of every process: the result counts them all."""
     available = jax.local_device_count()
     if requested < 0:
         raise ConfigError(f"--num-devices must be >= 0 (0 means all), got {requested}")
+    if jax.process_count() > 1:
+        if requested not in (0, jax.device_count()):
+            raise ConfigError(
+                f"--num-devices {requested}: a run of {jax.process_count()} processes uses all "
+                f"{jax.device_count()} devices; leave --num-devices at 0"
+            )
+        return jax.device_count()
     if requested > available:
         raise ConfigError(
             f"--num-devices {requested} asks for more devices than the {available} available "

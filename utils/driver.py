@@ -20,12 +20,14 @@ from collections.abc import Callable
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from utils import checkpoint
-from utils.devices import DEVICE_AXIS, resolve_num_devices, split_cpu_host
+from utils.devices import DEVICE_AXIS, process_group, resolve_num_devices, split_cpu_host
 from utils.errors import ConfigError
 from utils.logs import MetricsCsv, WandbSink, read_metrics_csv
 from utils.plotting import plot_learning_curve
+from utils.sweep import config_label, sweep_configs
 from utils.video import write_episode_gif
 
 CHUNKS_PER_RUN = 25  # automatic chunking aims at about this many progress/checkpoint points
@@ -43,7 +45,10 @@ class Trainer:
     env_id: str
     num_updates: int
     steps_per_update: int  # env steps (or moves) of one seed per update, all devices together
-    init: Callable  # (key) -> state
+    # the trainer's HyperParams from the config: the values that change no array shape, which
+    # init puts into the state, so that --sweep can vary them inside one program
+    hyperparams: tuple
+    init: Callable  # (key, hyperparams) -> state
     train_chunk: Callable  # (state, num_updates) -> (state, {metric: [num_updates]})
     # (state, key) -> episode returns [eval_episodes], called unpmapped after training; None when
     # the trainer evaluates inside its chunks instead.
@@ -59,7 +64,7 @@ class Trainer:
 
     def train(self, key):
         """The whole run as one scan over updates: (final state, metrics [num_updates])."""
-        return self.train_chunk(self.init(key), self.num_updates)
+        return self.train_chunk(self.init(key, self.hyperparams), self.num_updates)
 
 
 def auto_updates_per_chunk(num_updates: int) -> int:
@@ -70,18 +75,18 @@ def auto_updates_per_chunk(num_updates: int) -> int:
     return min(divisors, key=lambda d: abs(d - target)) if divisors else target
 
 
-def _over_seeds(f: Callable, num_seeds: int) -> Callable:
-    """`jax.vmap(f)` over the leading seed axis. A single seed runs unbatched and gets its axis
-    back: a size-1 vmap still batches every gather and scatter (mctx's tree updates, for
-    one), which cost AlphaZero self-play about 15% on CPU."""
-    if num_seeds > 1:
+def _over_runs(f: Callable, num_runs: int) -> Callable:
+    """`jax.vmap(f)` over the leading run axis (seeds x sweep configurations). A single run
+    goes unbatched and gets its axis back: a size-1 vmap still batches every gather and
+    scatter (mctx's tree updates, for one), which cost AlphaZero self-play about 15% on CPU."""
+    if num_runs > 1:
         return jax.vmap(f)
 
-    def single_seed(*args):
+    def single_run(*args):
         out = f(*jax.tree.map(lambda x: x[0], args))
         return jax.tree.map(lambda x: x[None], out)
 
-    return single_seed
+    return single_run
 
 
 def check_run_config(config) -> None:
@@ -144,62 +149,134 @@ class _Progress:
             self.bar.stop()
 
 
-def _final_values(columns: dict, metric: str, num_seeds: int, num_updates: int) -> list[float]:
-    """Per seed: the metric's mean over the last 10% of updates (the updates that reported
+def _run_of_rows(columns: dict, num_seeds: int) -> np.ndarray:
+    """The run index of every metrics.csv row: configuration-major, as the runs are vmapped."""
+    return columns["seed"] + num_seeds * columns.get("config", 0)
+
+
+def _final_values(
+    columns: dict, metric: str, num_seeds: int, num_runs: int, num_updates: int
+) -> list[float]:
+    """Per run: the metric's mean over the last 10% of updates (the updates that reported
     it), or its last reported value if it was reported less often than that."""
     window_start = num_updates - max(1, num_updates // 10)
+    row_run = _run_of_rows(columns, num_seeds)
     finals = []
-    for seed in range(num_seeds):
-        of_seed = columns["seed"] == seed
-        values = columns[metric][of_seed & (columns["update"] > window_start)]
+    for run in range(num_runs):
+        of_run = row_run == run
+        values = columns[metric][of_run & (columns["update"] > window_start)]
         values = values[np.isfinite(values)]
         if not values.size:
-            values = columns[metric][of_seed]
+            values = columns[metric][of_run]
             values = values[np.isfinite(values)][-1:]
         finals.append(float(values.mean()) if values.size else float("nan"))
     return finals
 
 
-def _last_reported(columns: dict, num_seeds: int) -> list[dict[str, float]]:
-    """Per seed: the last finite value of every metric (NaN if it never reported one)."""
-    names = [name for name in columns if name not in ("update", "env_steps", "seed")]
+def _last_reported(
+    columns: dict, metric_names: list[str], num_seeds: int, num_runs: int
+) -> list[dict[str, float]]:
+    """Per run: the last finite value of every metric (NaN if it never reported one)."""
+    row_run = _run_of_rows(columns, num_seeds)
     last = []
-    for seed in range(num_seeds):
-        of_seed = columns["seed"] == seed
-        finite = {name: columns[name][of_seed & np.isfinite(columns[name])] for name in names}
+    for run in range(num_runs):
+        finite = {
+            name: columns[name][(row_run == run) & np.isfinite(columns[name])]
+            for name in metric_names
+        }
         last.append({name: float(v[-1]) if v.size else float("nan") for name, v in finite.items()})
     return last
 
 
-def run_training(config, make_train: Callable[..., Trainer]) -> dict:
-    """Validate, build, train in chunks, evaluate and report. Returns the summary dict."""
+def _sweep_ranking(overrides: list[dict], finals: list[float], evals: list[float]) -> list[dict]:
+    """One entry per configuration, best mean final value first (NaN last), with the spread
+    over its seeds."""
+    num_seeds = len(finals) // len(overrides)
+    ranking = []
+    for k, values in enumerate(overrides):
+        of_config = slice(k * num_seeds, (k + 1) * num_seeds)
+        config_finals, config_evals = finals[of_config], evals[of_config]
+        ranking.append(
+            {
+                "config": k,
+                "hyperparams": values,
+                "final_return_mean": float(np.nanmean(config_finals)),
+                "final_return_std": float(np.nanstd(config_finals)),
+                "final_return_per_seed": config_finals,
+                "eval_return_mean": float(np.mean(config_evals)),
+                "eval_return_per_seed": config_evals,
+            }
+        )
+    return sorted(
+        ranking,
+        key=lambda r: -r["final_return_mean"] if np.isfinite(r["final_return_mean"]) else np.inf,
+    )
+
+
+def run_training(config, make_train: Callable[..., Trainer], return_state: bool = False):
+    """Validate, build, train in chunks, evaluate and report. Returns the summary dict (None on
+    the processes other than 0 of a multi-process run), and with `return_state` also this
+    process's final training state, leaves [local devices, runs, ...]."""
     wall_start = time.perf_counter()
     check_run_config(config)
-    split_cpu_host(config.cpu_devices)  # may restart the process, so before anything is written
+    # may restart the process, so before anything is written
+    split_cpu_host(config.cpu_devices, process_group(config))
+    multi_process, is_main = jax.process_count() > 1, jax.process_index() == 0
+    if multi_process and config.resume is not None:
+        raise ConfigError(
+            "--resume of a multi-process run is not supported: its checkpoint holds process "
+            "0's environments only"
+        )
     config = dataclasses.replace(config, num_devices=resolve_num_devices(config.num_devices))
     trainer = make_train(config)  # raises ConfigError for bad algorithm flags, before compiling
     num_devices, num_seeds = config.num_devices, config.num_seeds
+    local_devices = num_devices // jax.process_count()  # the pmapped axis of this process
 
+    # The runs side by side: sweep configurations x seeds, configuration-major. Each
+    # configuration goes through make_train too, so its values get the trainer's own checks.
+    overrides = sweep_configs(config, trainer.hyperparams._fields)
+    config_hyperparams = [
+        make_train(dataclasses.replace(config, **values)).hyperparams
+        if values
+        else trainer.hyperparams
+        for values in overrides
+    ]
+    num_configs = len(overrides)
+    num_runs = num_configs * num_seeds
+    run_seed = np.tile(np.arange(num_seeds), num_configs)  # seed index of each run
+    run_config = np.repeat(np.arange(num_configs), num_seeds)
+    run_columns = {"seed": run_seed.tolist()}
+    if config.sweep:
+        run_columns["config"] = run_config.tolist()
+        for name in overrides[0]:
+            run_columns[name] = [overrides[k][name] for k in run_config]
+
+    # Only process 0 writes: the run directory, logs, checkpoints and the summary.
     resuming = config.resume is not None
-    run_dir = config.resume if resuming else _new_run_dir(config, trainer)
-    checkpoint_dir = os.path.join(run_dir, "checkpoints")
-    run_name = os.path.basename(os.path.normpath(run_dir))
+    run_dir = config.resume if resuming else _new_run_dir(config, trainer) if is_main else None
 
     # Initialise on the devices: every device gets the seed's key, so network parameters are
     # identical across devices; trainers fold the device index into their environment keys.
-    seed_keys = np.stack(
-        [np.asarray(jax.random.PRNGKey(config.seed + i)) for i in range(num_seeds)]
+    # Configuration k with seed index i starts exactly as a single run with seed + i would.
+    run_keys = np.stack([np.asarray(jax.random.PRNGKey(config.seed + i)) for i in run_seed])
+    run_hyperparams = jax.tree.map(
+        lambda *values: np.stack(values)[run_config], *config_hyperparams
     )
-    device_keys = np.repeat(seed_keys[None], num_devices, axis=0)
+    on_every_device = functools.partial(
+        jax.tree.map, lambda x: np.repeat(x[None], local_devices, 0)
+    )
     compile_start = time.perf_counter()
-    # Seeds are initialised one after another (lax.map), not vmapped: a batched LAPACK QR, as
+    # Runs are initialised one after another (lax.map), not vmapped: a batched LAPACK QR, as
     # in orthogonal weight init, can deadlock XLA:CPU's thread pool on small machines.
-    init_seeds = jax.pmap(lambda keys: jax.lax.map(trainer.init, keys), axis_name=DEVICE_AXIS)
-    state = jax.block_until_ready(init_seeds(device_keys))
+    init_runs = jax.pmap(
+        lambda keys, hyperparams: jax.lax.map(lambda run: trainer.init(*run), (keys, hyperparams)),
+        axis_name=DEVICE_AXIS,
+    )
+    state = jax.block_until_ready(init_runs(*on_every_device((run_keys, run_hyperparams))))
     compile_seconds = time.perf_counter() - compile_start
     start_update, meta = 0, {"train_seconds": 0.0, "compile_seconds": 0.0, "wall_seconds": 0.0}
     if resuming:
-        host_state, meta = checkpoint.restore(checkpoint_dir, state)
+        host_state, meta = checkpoint.restore(os.path.join(run_dir, "checkpoints"), state)
         state = jax.tree.map(lambda h, t: jax.device_put(h, t.sharding), host_state, state)
         start_update = int(meta.pop("update"))
     previous = {k: meta[k] for k in ("train_seconds", "compile_seconds", "wall_seconds")}
@@ -216,18 +293,35 @@ def run_training(config, make_train: Callable[..., Trainer]) -> dict:
         if num_updates not in compiled_chunks:
             chunk = functools.partial(trainer.train_chunk, num_updates=num_updates)
             start = time.perf_counter()
-            pmapped = jax.pmap(_over_seeds(chunk, num_seeds), axis_name=DEVICE_AXIS)
-            compiled_chunks[num_updates] = pmapped.lower(state).compile()
+            pmapped = jax.pmap(_over_runs(chunk, num_runs), axis_name=DEVICE_AXIS)
+            compiled = pmapped.lower(state).compile()
             compile_seconds += time.perf_counter() - start
+            # A compiled pmap takes global arrays only; with several processes the pmapped
+            # function converts this process's arrays and reuses the compilation.
+            compiled_chunks[num_updates] = pmapped if multi_process else compiled
         return compiled_chunks[num_updates]
 
-    csv_path = os.path.join(run_dir, "metrics.csv")
+    if is_main:
+        checkpoint_dir = os.path.join(run_dir, "checkpoints")
+        csv_path = os.path.join(run_dir, "metrics.csv")
     metrics_csv = None
+    run_labels = [
+        f"{config_label(overrides[k])} seed_{i}".strip()
+        for k, i in zip(run_config, run_seed, strict=True)
+    ]
     wandb_sink = (
-        WandbSink(config, run_dir, run_name, trainer.headline_metric) if config.track else None
+        WandbSink(
+            config,
+            run_dir,
+            os.path.basename(os.path.normpath(run_dir)),
+            trainer.headline_metric,
+            run_labels,
+        )
+        if config.track and is_main
+        else None
     )
     progress = _Progress(
-        config.progress, trainer.num_updates, start_update, trainer.env_id, trainer
+        config.progress and is_main, trainer.num_updates, start_update, trainer.env_id, trainer
     )
     steps_per_update = trainer.steps_per_update
     update, train_seconds, saved_update = start_update, 0.0, start_update
@@ -248,41 +342,52 @@ def run_training(config, make_train: Callable[..., Trainer]) -> dict:
             new_state, metrics = run_chunk(state)
             metrics = {k: np.asarray(v[0]) for k, v in jax.device_get(metrics).items()}
             train_seconds += time.perf_counter() - start
+            # the first run's records
             records = {k: metrics.pop(k)[0] for k in list(metrics) if k.startswith("record_")}
             with checkpoint.defer_sigint():  # logs and checkpoint of a chunk land together
                 state, first_update = new_state, update + 1
                 update += num_updates
-                if metrics_csv is None:
-                    keep = start_update if resuming else None
-                    metrics_csv = MetricsCsv(csv_path, sorted(metrics), keep_until_update=keep)
-                metrics_csv.append(first_update, steps_per_update, metrics)
-                if wandb_sink is not None:
-                    wandb_sink.log(first_update, steps_per_update, metrics)
-                checkpoint.save(checkpoint_dir, update, state, meta_now())
-                saved_update = update
-            if records and trainer.write_records is not None:  # the first seed's records
+                if is_main:
+                    if metrics_csv is None:
+                        keep = start_update if resuming else None
+                        metrics_csv = MetricsCsv(
+                            csv_path, run_columns, sorted(metrics), keep_until_update=keep
+                        )
+                    metrics_csv.append(first_update, steps_per_update, metrics)
+                    if wandb_sink is not None:
+                        wandb_sink.log(first_update, steps_per_update, metrics)
+                    checkpoint.save(checkpoint_dir, update, state, meta_now())
+                    saved_update = update
+            if is_main and records and trainer.write_records is not None:
                 written = trainer.write_records(run_dir, update, records)
                 if wandb_sink is not None:
                     wandb_sink.log_files(update * steps_per_update, written)
-            done_steps = (update - start_update) * steps_per_update * num_seeds
+            done_steps = (update - start_update) * steps_per_update * num_runs
             last_returns = metrics[trainer.headline_metric][:, -1]
             mean_return = np.nanmean(last_returns) if np.isfinite(last_returns).any() else np.nan
             progress.update(update, mean_return, done_steps / max(train_seconds, 1e-9))
     except KeyboardInterrupt:
         progress.close()
-        if saved_update != update:
+        if is_main and saved_update != update:
             checkpoint.save(checkpoint_dir, update, state, meta_now())
-        print(
-            f"\ninterrupted after update {update}; continue with --resume {run_dir}",
-            file=sys.stderr,
-        )
+        resume_hint = f"; continue with --resume {run_dir}" if is_main and not multi_process else ""
+        print(f"\ninterrupted after update {update}{resume_hint}", file=sys.stderr)
         sys.exit(130)
     progress.close()
+    if not is_main:
+        # Wait for process 0's evaluation and reports, so that no process leaves the group
+        # while another still works.
+        multihost_utils.sync_global_devices("purejaxrl run reported")
+        print(
+            f"{trainer.algo} {trainer.env_id}: process {jax.process_index()} of "
+            f"{jax.process_count()} done, {update} updates; process 0 wrote the run directory"
+        )
+        return (None, state) if return_state else None
 
-    eval_returns = [float("nan")] * num_seeds
+    eval_returns = [float("nan")] * num_runs
     if config.eval_episodes > 0 and trainer.evaluate is not None:
         first_device_state = jax.tree.map(lambda x: x[0], state)
-        eval_keys = jax.vmap(lambda k: jax.random.fold_in(k, 1))(seed_keys)
+        eval_keys = jax.vmap(lambda k: jax.random.fold_in(k, 1))(run_keys)
         start = time.perf_counter()
         evaluate = (
             jax.jit(jax.vmap(trainer.evaluate)).lower(first_device_state, eval_keys).compile()
@@ -296,26 +401,31 @@ def run_training(config, make_train: Callable[..., Trainer]) -> dict:
         if trainer.greedy_policy is None:
             print(f"--capture-video: {trainer.algo} records no episode video")
         else:
-            first_seed = jax.tree.map(lambda x: x[0, 0], state)  # device 0, seed 0
+            first_run = jax.tree.map(lambda x: x[0, 0], state)  # device 0, run 0
             video_path = write_episode_gif(
                 trainer.env_id,
-                trainer.greedy_policy(first_seed),
-                jax.random.fold_in(seed_keys[0], 2),
+                trainer.greedy_policy(first_run),
+                jax.random.fold_in(run_keys[0], 2),
                 os.path.join(run_dir, "videos", "final.gif"),
             )
         if video_path is not None and wandb_sink is not None:
             wandb_sink.log_video(video_path)
 
-    final_returns = _final_values(columns, trainer.headline_metric, num_seeds, trainer.num_updates)
+    final_returns = _final_values(
+        columns, trainer.headline_metric, num_seeds, num_runs, trainer.num_updates
+    )
+    metric_names = [n for n in columns if n not in ("update", "env_steps", *run_columns)]
     totals = meta_now()
-    steps_done = (trainer.num_updates - start_update) * steps_per_update * num_seeds
+    steps_done = (trainer.num_updates - start_update) * steps_per_update * num_runs
     steps_per_second = steps_done / max(train_seconds, 1e-9)
+    # Lists "per seed" hold one entry per run: configuration-major when sweeping.
     summary = {
         "algo": trainer.algo,
         "env_id": trainer.env_id,
         "run_dir": run_dir,
-        "seeds": [config.seed + i for i in range(num_seeds)],
+        "seeds": [config.seed + int(i) for i in run_seed],
         "num_devices": num_devices,
+        "num_processes": jax.process_count(),
         "num_updates": trainer.num_updates,
         "env_steps_per_seed": trainer.num_updates * steps_per_update,
         "headline_metric": trainer.headline_metric,
@@ -326,15 +436,21 @@ def run_training(config, make_train: Callable[..., Trainer]) -> dict:
         "eval_return_per_seed": eval_returns,
         "eval_return_mean": float(np.mean(eval_returns)),
         "eval_return_std": float(np.std(eval_returns)),
-        "final_metrics_per_seed": _last_reported(columns, num_seeds),
+        "final_metrics_per_seed": _last_reported(columns, metric_names, num_seeds, num_runs),
         "step_unit": trainer.step_unit,
         "steps_per_second": steps_per_second,
-        "steps_per_second_per_seed": steps_per_second / num_seeds,
+        "steps_per_second_per_seed": steps_per_second / num_runs,
         "compile_seconds": totals["compile_seconds"],
         "train_seconds": totals["train_seconds"],
         "wall_seconds": totals["wall_seconds"],
         "resumed_from_update": start_update if resuming else None,
     }
+    if config.sweep:
+        summary["sweep"] = {
+            "parameters": list(overrides[0]),
+            "num_configs": num_configs,
+            "ranking": _sweep_ranking(overrides, final_returns, eval_returns),
+        }
     _write_json(os.path.join(run_dir, "summary.json"), summary)
     plot_learning_curve(
         csv_path,
@@ -342,6 +458,7 @@ def run_training(config, make_train: Callable[..., Trainer]) -> dict:
         f"{trainer.algo} {trainer.env_id}",
         trainer.headline_metric,
         trainer.step_unit,
+        [config_label(values) for values in overrides] if config.sweep else None,
     )
     if wandb_sink is not None:
         wandb_sink.finish(summary)
@@ -351,11 +468,22 @@ def run_training(config, make_train: Callable[..., Trainer]) -> dict:
         else ""
     )
     headline = "return" if trainer.headline_metric == "episode_return" else trainer.headline_metric
+    result = (
+        f"final {headline} {summary['final_return_mean']:.3g} ± {summary['final_return_std']:.2g}"
+    )
+    if config.sweep:
+        best = summary["sweep"]["ranking"][0]
+        result = (
+            f"best of {num_configs} configs {config_label(best['hyperparams'])}: final "
+            f"{headline} {best['final_return_mean']:.3g} ± {best['final_return_std']:.2g}"
+        )
+        evaluated = f"eval {best['eval_return_mean']:.1f}, " if evaluated else ""
     print(
-        f"{trainer.algo} {trainer.env_id}: final {headline} {summary['final_return_mean']:.3g} "
-        f"± {summary['final_return_std']:.2g} over {num_seeds} seed(s), "
+        f"{trainer.algo} {trainer.env_id}: {result} over {num_seeds} seed(s), "
         f"{evaluated}{steps_per_second:,.0f} {trainer.step_unit}/s, "
         f"compile {summary['compile_seconds']:.1f} s, wall {summary['wall_seconds']:.1f} s "
         f"-> {run_dir}"
     )
-    return summary
+    if multi_process:
+        multihost_utils.sync_global_devices("purejaxrl run reported")
+    return (summary, state) if return_state else summary

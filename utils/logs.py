@@ -9,15 +9,23 @@ import os
 
 import numpy as np
 
-KEY_COLUMNS = ["update", "env_steps", "seed"]
-
 
 class MetricsCsv:
-    """metrics.csv with one row per update and seed. On resume, rows past the checkpoint go."""
+    """metrics.csv with one row per update and run. A run is named by `run_columns` (its seed
+    index, and when sweeping its configuration index and hyperparameter values), one list entry
+    per run. On resume, rows past the checkpoint go."""
 
-    def __init__(self, path: str, metric_names: list[str], keep_until_update: int | None = None):
+    def __init__(
+        self,
+        path: str,
+        run_columns: dict[str, list],
+        metric_names: list[str],
+        keep_until_update: int | None = None,
+    ):
         self.path = path
-        self.columns = KEY_COLUMNS + metric_names
+        self.run_values = list(zip(*run_columns.values(), strict=True))
+        self.metric_names = metric_names
+        self.columns = ["update", "env_steps", *run_columns, *metric_names]
         if keep_until_update is not None and os.path.exists(path):
             with open(path, newline="") as f:
                 rows = [r for r in csv.DictReader(f) if int(r["update"]) <= keep_until_update]
@@ -34,15 +42,15 @@ class MetricsCsv:
         os.replace(tmp, self.path)
 
     def append(self, first_update: int, steps_per_update: int, metrics: dict[str, np.ndarray]):
-        """`metrics[name]` has shape [num_seeds, num_updates]; update numbers start at 1."""
-        num_seeds, num_updates = next(iter(metrics.values())).shape
+        """`metrics[name]` has shape [num_runs, num_updates]; update numbers start at 1."""
+        num_updates = next(iter(metrics.values())).shape[1]
         with open(self.path, "a", newline="") as f:
             writer = csv.writer(f)
             for k in range(num_updates):
                 update = first_update + k
-                for seed in range(num_seeds):
-                    values = [float(metrics[name][seed, k]) for name in self.columns[3:]]
-                    writer.writerow([update, update * steps_per_update, seed, *values])
+                for run, run_values in enumerate(self.run_values):
+                    values = [float(metrics[name][run, k]) for name in self.metric_names]
+                    writer.writerow([update, update * steps_per_update, *run_values, *values])
 
 
 def read_metrics_csv(path: str) -> dict[str, np.ndarray]:
@@ -55,11 +63,14 @@ def read_metrics_csv(path: str) -> dict[str, np.ndarray]:
 
 
 class WandbSink:
-    """One curve per seed for the headline metric (the episode return unless the trainer says
-    otherwise), plus the mean of every metric."""
+    """One curve per run for the headline metric (the episode return unless the trainer says
+    otherwise), named by `run_labels`, plus the mean over runs of every metric."""
 
-    def __init__(self, config, run_dir: str, run_name: str, headline_metric: str):
+    def __init__(
+        self, config, run_dir: str, run_name: str, headline_metric: str, run_labels: list[str]
+    ):
         self.headline_metric = headline_metric
+        self.run_labels = run_labels
         import wandb  # imported only when tracking, so wandb is never needed otherwise
 
         self.run = wandb.init(
@@ -73,7 +84,7 @@ class WandbSink:
         )
 
     def log(self, first_update: int, steps_per_update: int, metrics: dict[str, np.ndarray]):
-        num_seeds, num_updates = next(iter(metrics.values())).shape
+        num_updates = next(iter(metrics.values())).shape[1]
         for k in range(num_updates):
             row = {}
             for name, values in metrics.items():
@@ -81,10 +92,10 @@ class WandbSink:
                 finite = column[np.isfinite(column)]
                 if finite.size:
                     row[f"{name}/mean"] = float(finite.mean())
-            for seed in range(num_seeds):
-                value = float(metrics[self.headline_metric][seed, k])
+            for run, label in enumerate(self.run_labels):
+                value = float(metrics[self.headline_metric][run, k])
                 if not math.isnan(value):
-                    row[f"{self.headline_metric}/seed_{seed}"] = value
+                    row[f"{self.headline_metric}/{label}"] = value
             self.run.log(row, step=(first_update + k) * steps_per_update)
 
     def log_video(self, path: str):

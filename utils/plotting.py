@@ -17,24 +17,23 @@ def plot_learning_curve(
     title: str,
     metric: str = "episode_return",
     step_unit: str = "steps",
+    config_labels: list[str] | None = None,
 ) -> None:
-    """Mean of `metric` across seeds vs env steps, with the min-max band across seeds."""
+    """Mean of `metric` across seeds vs env steps, with the min-max band across seeds: one
+    line and band per sweep configuration when `config_labels` names them."""
     columns = read_metrics_csv(csv_path)
     fig, ax = plt.subplots(figsize=(6, 4))
     if columns:
-        steps = np.unique(columns["env_steps"])
-        by_step = [columns[metric][columns["env_steps"] == s] for s in steps]
-        has_value = np.array([np.isfinite(v).any() for v in by_step])
-        steps = steps[has_value]
-        by_step = [v[np.isfinite(v)] for v, ok in zip(by_step, has_value, strict=True) if ok]
-        if by_step:
-            mean = np.array([v.mean() for v in by_step])
-            ax.fill_between(
-                steps, [v.min() for v in by_step], [v.max() for v in by_step], alpha=0.25
-            )
-            num_seeds = int(columns["seed"].max()) + 1
-            ax.plot(steps, mean, label=f"mean of {num_seeds} seed(s), band: min-max")
-            ax.legend(loc="lower right")
+        config_of_row = columns.get("config", np.zeros_like(columns["update"]))
+        num_seeds = int(columns["seed"].max()) + 1
+        for config in np.unique(config_of_row):
+            of_config = config_of_row == config
+            label = f"mean of {num_seeds} seed(s), band: min-max"
+            if config_labels is not None:
+                label = f"{config_labels[int(config)]} ({num_seeds} seeds)"
+            _plot_band(ax, columns["env_steps"][of_config], columns[metric][of_config], label)
+        if ax.lines:
+            ax.legend(loc="best", fontsize="small" if config_labels else None)
     ax.set_xlabel(f"environment {step_unit}")
     ax.set_ylabel(metric.replace("_", " "))
     ax.set_title(title)
@@ -42,3 +41,22 @@ def plot_learning_curve(
     fig.tight_layout()
     fig.savefig(png_path, dpi=100)
     plt.close(fig)
+
+
+def _plot_band(ax, env_steps: np.ndarray, values: np.ndarray, label: str) -> None:
+    """Mean over the rows at each step, and their min-max band; steps without a finite value
+    are skipped."""
+    steps = np.unique(env_steps)
+    by_step = [values[env_steps == s] for s in steps]
+    has_value = np.array([np.isfinite(v).any() for v in by_step])
+    steps = steps[has_value]
+    by_step = [v[np.isfinite(v)] for v, ok in zip(by_step, has_value, strict=True) if ok]
+    if by_step:
+        (line,) = ax.plot(steps, [v.mean() for v in by_step], label=label)
+        ax.fill_between(
+            steps,
+            [v.min() for v in by_step],
+            [v.max() for v in by_step],
+            alpha=0.25,
+            color=line.get_color(),
+        )
