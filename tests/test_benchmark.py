@@ -60,3 +60,20 @@ def test_gpu_benchmark_smoke_mode_runs_on_cpu(tmp_path):
     for row in results["runs"].values():
         assert row["per_second_all_seeds"] > 0 and row["compile_seconds"] > 0
     assert results["runs"]["az_connect_four_1024_games"]["unit"] == "moves"
+
+
+def test_dqn_yardstick_runs_with_a_tiny_budget(tmp_path):
+    out = tmp_path / "results.json"
+    result = run_script(
+        "benchmarks/dqn_yardstick.py",
+        "--total-timesteps", "12000",
+        "--rounds", "1",
+        "--out", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    reference, preset, equivalent = json.loads(out.read_text())
+    assert reference["ratio_to_reference"] == 1.0
+    assert equivalent["setting"] == "purejaxrl_dqn.py at PureJaxRL's settings"
+    for row in (reference, preset, equivalent):
+        assert row["steps_per_second"][0] > 0 and row["total_timesteps"] == 12000
+    assert "| PureJaxRL dqn.py loop |" in result.stdout

@@ -49,7 +49,7 @@ def tiny_args(runs_dir):
         "--batch-size", "16",
         "--target-network-frequency", "64",
         "--n-step", "3",
-        "--hidden-size", "16",
+        "--hidden-sizes", "16", "16",
         "--updates-per-chunk", "8",
         "--eval-episodes", "2",
         "--no-progress",
@@ -314,7 +314,7 @@ def test_networks_and_minatar_buffer_dtype(tmp_path):
     obs = np.zeros((5, 10, 10, 4), np.float32)
     for image, shape in ((True, obs.shape), (False, (5, 7))):
         for dueling in (False, True):
-            network = QNetwork(3, 32, dueling, image)
+            network = QNetwork(3, (32,) if image else (32, 16), dueling, image)
             x = np.random.default_rng(0).random(shape).astype(np.float32)
             params = network.init(jax.random.PRNGKey(0), x)
             q, captured = network.apply(params, x, capture_intermediates=True)
@@ -345,7 +345,7 @@ def test_presets_and_help():
     flags = "--total-timesteps --learning-rate --num-envs --buffer-size --gamma --tau"
     flags += " --target-network-frequency --batch-size --start-e --end-e --exploration-fraction"
     flags += " --learning-starts --train-frequency --gradient-steps --double-dqn --no-double-dqn"
-    flags += " --n-step --loss --dueling --no-dueling --max-grad-norm --hidden-size --num-seeds"
+    flags += " --n-step --loss --dueling --no-dueling --max-grad-norm --hidden-sizes --num-seeds"
     for flag in flags.split():
         assert flag in text, flag
 
