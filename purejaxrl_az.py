@@ -654,7 +654,8 @@ def make_train(config: Config) -> Trainer:
     oracle_table = jnp.asarray(solve_tic_tac_toe()) if game == "tic_tac_toe" else None
     # One set of parameters, two ways to compute its convolutions (utils/layers.py): with one
     # run, search runs XLA's convolution (self-play about 10% faster on CPU); SGD, and all of
-    # it with vmapped seeds or sweep configurations, the matmul form (XLA's convolution gradient in a loop: ~30x slower).
+    # it with vmapped seeds or sweep configurations, the matmul form (XLA's convolution
+    # gradient in a loop: ~30x slower).
     network = ResNet(
         num_actions,
         config.num_blocks,

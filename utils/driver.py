@@ -31,6 +31,8 @@ from utils.sweep import config_label, sweep_configs
 from utils.video import write_episode_gif
 
 CHUNKS_PER_RUN = 25  # automatic chunking aims at about this many progress/checkpoint points
+# every process of a multi-process run meets here once process 0 has written its report
+_REPORTED_BARRIER = "purejaxrl run reported"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,6 +256,8 @@ def run_training(config, make_train: Callable[..., Trainer], return_state: bool 
     # Only process 0 writes: the run directory, logs, checkpoints and the summary.
     resuming = config.resume is not None
     run_dir = config.resume if resuming else _new_run_dir(config, trainer) if is_main else None
+    checkpoint_dir = os.path.join(run_dir, "checkpoints") if is_main else None
+    csv_path = os.path.join(run_dir, "metrics.csv") if is_main else None
 
     # Initialise on the devices: every device gets the seed's key, so network parameters are
     # identical across devices; trainers fold the device index into their environment keys.
@@ -276,7 +280,7 @@ def run_training(config, make_train: Callable[..., Trainer], return_state: bool 
     compile_seconds = time.perf_counter() - compile_start
     start_update, meta = 0, {"train_seconds": 0.0, "compile_seconds": 0.0, "wall_seconds": 0.0}
     if resuming:
-        host_state, meta = checkpoint.restore(os.path.join(run_dir, "checkpoints"), state)
+        host_state, meta = checkpoint.restore(checkpoint_dir, state)
         state = jax.tree.map(lambda h, t: jax.device_put(h, t.sharding), host_state, state)
         start_update = int(meta.pop("update"))
     previous = {k: meta[k] for k in ("train_seconds", "compile_seconds", "wall_seconds")}
@@ -301,9 +305,6 @@ def run_training(config, make_train: Callable[..., Trainer], return_state: bool 
             compiled_chunks[num_updates] = pmapped if multi_process else compiled
         return compiled_chunks[num_updates]
 
-    if is_main:
-        checkpoint_dir = os.path.join(run_dir, "checkpoints")
-        csv_path = os.path.join(run_dir, "metrics.csv")
     metrics_csv = None
     run_labels = [
         f"{config_label(overrides[k])} seed_{i}".strip()
@@ -377,7 +378,7 @@ def run_training(config, make_train: Callable[..., Trainer], return_state: bool 
     if not is_main:
         # Wait for process 0's evaluation and reports, so that no process leaves the group
         # while another still works.
-        multihost_utils.sync_global_devices("purejaxrl run reported")
+        multihost_utils.sync_global_devices(_REPORTED_BARRIER)
         print(
             f"{trainer.algo} {trainer.env_id}: process {jax.process_index()} of "
             f"{jax.process_count()} done, {update} updates; process 0 wrote the run directory"
@@ -485,5 +486,5 @@ def run_training(config, make_train: Callable[..., Trainer], return_state: bool 
         f"-> {run_dir}"
     )
     if multi_process:
-        multihost_utils.sync_global_devices("purejaxrl run reported")
+        multihost_utils.sync_global_devices(_REPORTED_BARRIER)
     return (summary, state) if return_state else summary
