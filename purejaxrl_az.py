@@ -39,7 +39,7 @@ import optax
 import pgx
 
 from utils.cli import RunConfig, exit_on_config_error, parse_config, require_positive
-from utils.devices import DEVICE_AXIS
+from utils.devices import DEVICE_AXIS, device_mean, device_sum
 from utils.driver import Trainer, run_training
 from utils.errors import ConfigError
 from utils.layers import Conv3x3
@@ -802,10 +802,10 @@ def make_train(config: Config) -> Trainer:
                 return loss, (new_stats, policy_loss, value_loss)
 
             grads, (batch_stats, policy_loss, value_loss) = jax.grad(_loss, has_aux=True)(params)
-            grads = jax.lax.pmean(grads, DEVICE_AXIS)
+            grads = device_mean(grads)
             # Every device normalises its own samples; averaging the running statistics keeps
             # the devices' networks identical.
-            batch_stats = jax.lax.pmean(batch_stats, DEVICE_AXIS)
+            batch_stats = device_mean(batch_stats)
             updates, opt_state = optax.adam(hp.learning_rate).update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
             return (params, batch_stats, opt_state), (policy_loss, value_loss)
@@ -827,18 +827,16 @@ def make_train(config: Config) -> Trainer:
         )
 
         # 4. Metrics, reduced over devices: self-play games that ended in this window.
-        finished = jax.lax.psum(done.sum(), DEVICE_AXIS)
+        finished = device_sum(done.sum())
         metrics = {
-            "policy_loss": jax.lax.pmean(policy_loss.mean(), DEVICE_AXIS),
-            "value_loss": jax.lax.pmean(value_loss.mean(), DEVICE_AXIS),
+            "policy_loss": device_mean(policy_loss.mean()),
+            "value_loss": device_mean(value_loss.mean()),
             "selfplay_games": finished.astype(jnp.float32),
-            "selfplay_game_length": jax.lax.psum(jnp.sum(done * length), DEVICE_AXIS)
+            "selfplay_game_length": device_sum(jnp.sum(done * length))
             / jnp.where(finished > 0, finished, jnp.nan),
-            "selfplay_draw_rate": jax.lax.psum(jnp.sum(draw), DEVICE_AXIS)
+            "selfplay_draw_rate": device_sum(jnp.sum(draw))
             / jnp.where(finished > 0, finished, jnp.nan),
-            "positions_with_target": jax.lax.psum(buffer.known.sum(), DEVICE_AXIS).astype(
-                jnp.float32
-            ),
+            "positions_with_target": device_sum(buffer.known.sum()).astype(jnp.float32),
         }
         return state, metrics
 
@@ -956,8 +954,7 @@ def make_train(config: Config) -> Trainer:
             metrics["record_keys"], metrics["record_moves"] = record_keys, record_moves
         for i, name in enumerate(opponents):
             wins, draws, losses = (
-                jax.lax.psum(jnp.sum(results[i] == r).astype(jnp.float32), DEVICE_AXIS)
-                for r in (1, 0, -1)
+                device_sum(jnp.sum(results[i] == r).astype(jnp.float32)) for r in (1, 0, -1)
             )
             games = wins + draws + losses
             elo, low, high = elo_estimate(wins, draws, losses)
@@ -973,8 +970,8 @@ def make_train(config: Config) -> Trainer:
                 }
             )
         if oracle_table is not None:
-            optimal_total = jax.lax.psum(optimal.sum(), DEVICE_AXIS)
-            judged_total = jax.lax.psum(judged.sum(), DEVICE_AXIS)
+            optimal_total = device_sum(optimal.sum())
+            judged_total = device_sum(judged.sum())
             metrics["eval_optimal_move_rate"] = optimal_total / jnp.maximum(judged_total, 1)
         return metrics
 

@@ -28,7 +28,7 @@ import numpy as np
 import optax
 
 from utils.cli import RunConfig, exit_on_config_error, parse_config, require_positive
-from utils.devices import DEVICE_AXIS
+from utils.devices import DEVICE_AXIS, device_mean
 from utils.driver import Trainer, run_training
 from utils.envs import env_family, episode_metrics, make_env
 from utils.errors import ConfigError
@@ -229,13 +229,13 @@ def buffer_sample(buffer: ReplayBuffer, key, batch_size: int, window: int) -> Tr
     [batch_size, window, ...]), uniform over all windows that lie in the written rows. The
     caller makes sure there is one (size >= window); an empty buffer yields its zeros."""
     capacity, num_envs = buffer.data.reward.shape
-    start_key, env_key = jax.random.split(key)
     num_starts = jnp.maximum(buffer.size - window + 1, 1)
+    # One draw picks the window's first row and its environment together.
+    first = jax.random.randint(key, (batch_size, 1), 0, num_starts * num_envs)
     oldest = (buffer.pos - buffer.size) % capacity
-    starts = oldest + jax.random.randint(start_key, (batch_size, 1), 0, num_starts)
-    rows = (starts + jnp.arange(window)) % capacity
-    envs = jax.random.randint(env_key, (batch_size, 1), 0, num_envs)
-    return jax.tree.map(lambda x: x[rows, envs], buffer.data)
+    rows = (oldest + first // num_envs + jnp.arange(window)) % capacity
+    flat = rows * num_envs + first % num_envs  # into the leaves' [capacity * num_envs] rows
+    return jax.tree.map(lambda x: x.reshape(capacity * num_envs, *x.shape[2:])[flat], buffer.data)
 
 
 def n_step_return(rewards, terminated, truncated, gamma):
@@ -477,7 +477,7 @@ def make_train(config: Config) -> Trainer:
                 return td_loss(q_taken, targets, config.loss), q_taken.mean()
 
             (loss, q_mean), grads = jax.value_and_grad(_loss, has_aux=True)(params)
-            grads = jax.lax.pmean(grads, DEVICE_AXIS)
+            grads = device_mean(grads)
             updates, opt_state = optimizer.update(grads, opt_state, params)
             return (optax.apply_updates(params, updates), opt_state), (loss, q_mean)
 
@@ -499,10 +499,10 @@ def make_train(config: Config) -> Trainer:
         # 3. Target network: once per multiple of target_network_frequency env steps crossed.
         period = hp.target_network_frequency
         crossed = state.timesteps // period > (state.timesteps - steps_per_update) // period
-        target_params = jax.tree.map(
-            lambda new, old: jnp.where(learning & crossed, new, old),
-            optax.incremental_update(params, state.target_params, hp.tau),
-            state.target_params,
+        target_params = jax.lax.cond(
+            learning & crossed,
+            lambda: optax.incremental_update(params, state.target_params, hp.tau),
+            lambda: state.target_params,
         )
         state = state._replace(
             params=params, target_params=target_params, opt_state=opt_state, key=key
@@ -511,8 +511,8 @@ def make_train(config: Config) -> Trainer:
         # 4. Metrics, reduced here so nothing per-step is kept: episodes that ended this update.
         metrics = {
             **episode_metrics(done, episode_return, episode_length),
-            "loss": jax.lax.pmean(loss, DEVICE_AXIS),
-            "q_mean": jax.lax.pmean(q_mean, DEVICE_AXIS),
+            "loss": device_mean(loss),
+            "q_mean": device_mean(q_mean),
             "epsilon": epsilon[-1],
         }
         return state, metrics

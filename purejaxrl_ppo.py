@@ -20,7 +20,7 @@ import numpy as np
 import optax
 
 from utils.cli import RunConfig, exit_on_config_error, parse_config, require_positive
-from utils.devices import DEVICE_AXIS
+from utils.devices import DEVICE_AXIS, device_mean
 from utils.driver import Trainer, run_training
 from utils.envs import episode_metrics, make_env
 from utils.errors import ConfigError
@@ -449,7 +449,7 @@ def make_train(config: Config) -> Trainer:
                     )
 
                 grads, info = jax.grad(_loss, has_aux=True)(params)
-                grads = jax.lax.pmean(grads, DEVICE_AXIS)
+                grads = device_mean(grads)
                 updates, opt_state = optimizer.update(grads, opt_state, params)
                 return (optax.apply_updates(params, updates), opt_state), info
 
@@ -479,7 +479,7 @@ def make_train(config: Config) -> Trainer:
         # 4. Metrics, reduced here so nothing per-step is kept: episodes that ended this update.
         metrics = {
             **episode_metrics(dones > 0, traj.episode_return, traj.episode_length),
-            **{k: jax.lax.pmean(v.mean(), DEVICE_AXIS) for k, v in info._asdict().items()},
+            **{k: device_mean(v.mean()) for k, v in info._asdict().items()},
         }
         return runner_state, metrics
 

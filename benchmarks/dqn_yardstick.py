@@ -8,7 +8,9 @@ from its published description: 10 environments stepped once per scan iteration,
 flat buffer of 10k transitions, a 120-84 MLP, one Adam step on 128 sampled transitions per
 iteration (its training interval of 10 env steps) once 10k steps are in, plain 1-step targets
 from the target network copied every 500 steps, epsilon 1 -> 0.05 over 2.5e5 steps, and no
-logging callback. gymnax 1.0's `terminated or truncated` is its `done`.
+logging callback. gymnax 1.0's `terminated or truncated` is its `done`. It runs twice: as JAX
+runs it by default, which is how its users get it, and with the threefry lowering our driver
+switches on (utils/devices.py), which shows how much of the difference is that switch.
 
 Ours is `purejaxrl_dqn.py` through the normal driver (metrics.csv, checkpoints and chunking
 as in any run), at its preset (a 128-128 network, 3-step Double-DQN targets, gradient clipping)
@@ -39,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import purejaxrl_dqn
 from utils.cli import parse_config
+from utils.devices import unroll_threefry_on_cpu
 from utils.driver import run_training
 from utils.envs import make_env
 
@@ -163,8 +166,12 @@ def reference_train(env_name: str, total_timesteps: int):
     return train
 
 
-def reference_steps_per_second(env_name: str, total_timesteps: int) -> tuple[float, float]:
-    """(env steps/s, compile seconds) of one reference run."""
+def reference_steps_per_second(
+    env_name: str, total_timesteps: int, unrolled_threefry: bool
+) -> tuple[float, float]:
+    """(env steps/s, compile seconds) of one reference run, its random numbers lowered the way
+    JAX does on CPU by default or, like ours, unrolled (utils/devices.py)."""
+    unroll_threefry_on_cpu(unrolled_threefry)
     train = jax.jit(reference_train(env_name, total_timesteps))
     start = time.perf_counter()
     compiled = train.lower(jax.random.PRNGKey(0)).compile()
@@ -184,7 +191,8 @@ def ours_steps_per_second(args: Args, runs_dir: str, extra: list[str]) -> tuple[
 
 def main(args: Args) -> list[dict]:
     settings = {
-        "PureJaxRL dqn.py loop": None,
+        "PureJaxRL dqn.py loop": False,
+        "PureJaxRL dqn.py loop, unrolled threefry": True,
         "purejaxrl_dqn.py preset": [],
         "purejaxrl_dqn.py at PureJaxRL's settings": [
             *("--hidden-sizes", "120", "84", "--n-step", "1", "--no-double-dqn"),
@@ -195,8 +203,8 @@ def main(args: Args) -> list[dict]:
     with tempfile.TemporaryDirectory() as runs_dir:
         for _ in range(args.rounds):
             for name, extra in settings.items():
-                if extra is None:
-                    result = reference_steps_per_second(args.env, args.total_timesteps)
+                if isinstance(extra, bool):
+                    result = reference_steps_per_second(args.env, args.total_timesteps, extra)
                 else:
                     result = ours_steps_per_second(args, runs_dir, extra)
                 measured[name].append(result)

@@ -71,9 +71,10 @@ def test_dqn_yardstick_runs_with_a_tiny_budget(tmp_path):
         "--out", str(out),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    reference, preset, equivalent = json.loads(out.read_text())
+    reference, unrolled, preset, equivalent = json.loads(out.read_text())
     assert reference["ratio_to_reference"] == 1.0
+    assert unrolled["setting"] == "PureJaxRL dqn.py loop, unrolled threefry"
     assert equivalent["setting"] == "purejaxrl_dqn.py at PureJaxRL's settings"
-    for row in (reference, preset, equivalent):
+    for row in (reference, unrolled, preset, equivalent):
         assert row["steps_per_second"][0] > 0 and row["total_timesteps"] == 12000
     assert "| PureJaxRL dqn.py loop |" in result.stdout

@@ -1,5 +1,7 @@
-"""Multi-process training on JAX's own runtime: two local CPU processes with two devices each
-(gloo collectives over 127.0.0.1) against one process with four devices."""
+"""Multi-process training on JAX's own runtime: two local CPU processes with one device each
+(gloo collectives over 127.0.0.1) against one process with two devices. One device per process
+also checks that the cross-device averages span the processes: locally there is nothing to
+average."""
 
 import json
 import os
@@ -22,9 +24,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_train_like_one_process_with_four_devices(tiny_ppo_args, tmp_path):
+def test_two_processes_train_like_one_process_with_two_devices(tiny_ppo_args, tmp_path):
     group = ["--coordinator-address", f"127.0.0.1:{free_port()}", "--num-processes", "2"]
-    flags = [*tiny_ppo_args, "--cpu-devices", "2", *group]
+    flags = [*tiny_ppo_args, "--cpu-devices", "1", *group]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     # Process 0 is the command line itself; process 1 also hands back its parameters.
     commands = [
@@ -57,22 +59,21 @@ def test_two_processes_train_like_one_process_with_four_devices(tiny_ppo_args, t
     (two_processes,) = (entry.path for entry in os.scandir(runs_dir))  # process 0 alone wrote
     with open(os.path.join(two_processes, "summary.json")) as f:
         summary = json.load(f)
-    assert summary["num_devices"] == 4 and summary["num_processes"] == 2
+    assert summary["num_devices"] == 2 and summary["num_processes"] == 2
 
     result = run_script(
-        "purejaxrl_ppo.py", *tiny_ppo_args[:-1], str(tmp_path / "single"), "--cpu-devices", "4"
+        "purejaxrl_ppo.py", *tiny_ppo_args[:-1], str(tmp_path / "single"), "--cpu-devices", "2"
     )
     assert result.returncode == 0, result.stderr[-3000:]
     (one_process,) = (entry.path for entry in os.scandir(tmp_path / "single"))
 
-    # Same parameters in both processes, and the same as one process with four devices: the
-    # checkpoint holds process 0's devices 0 and 1 (leaves [devices, runs, ...], params first).
+    # Same parameters in both processes, and the same as one process with two devices: the
+    # checkpoint holds process 0's device (leaves [devices, runs, ...], params first).
     process_1 = np.load(tmp_path / "process_1.npz")
     process_0, single = checkpoint_leaves(two_processes), checkpoint_leaves(one_process)
     for i in range(len(process_1.files)):
         leaf = f"{i:05d}"
         np.testing.assert_array_equal(process_0[leaf][0, 0], process_1[f"arr_{i}"])
-        np.testing.assert_array_equal(process_0[leaf][1, 0], process_1[f"arr_{i}"])
         np.testing.assert_allclose(process_0[leaf][0], single[leaf][0], rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(
         metric_table(two_processes, 0), metric_table(one_process, 0), rtol=1e-4, atol=1e-6

@@ -23,7 +23,13 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from utils import checkpoint
-from utils.devices import DEVICE_AXIS, process_group, resolve_num_devices, split_cpu_host
+from utils.devices import (
+    DEVICE_AXIS,
+    process_group,
+    resolve_num_devices,
+    split_cpu_host,
+    unroll_threefry_on_cpu,
+)
 from utils.errors import ConfigError
 from utils.logs import MetricsCsv, WandbSink, read_metrics_csv
 from utils.plotting import plot_learning_curve
@@ -223,6 +229,7 @@ def run_training(config, make_train: Callable[..., Trainer], return_state: bool 
     check_run_config(config)
     # may restart the process, so before anything is written
     split_cpu_host(config.cpu_devices, process_group(config))
+    unroll_threefry_on_cpu()
     multi_process, is_main = jax.process_count() > 1, jax.process_index() == 0
     if multi_process and config.resume is not None:
         raise ConfigError(

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import struct
 from gymnax.environments import spaces
 
-from utils.devices import DEVICE_AXIS
+from utils.devices import device_sum
 from utils.errors import ConfigError
 
 # Short name -> gymnax id. Lookup is case-insensitive; full gymnax ids are accepted as well.
@@ -132,9 +132,9 @@ def make_env(name: str):
 def episode_metrics(done, episode_return, episode_length) -> dict[str, jax.Array]:
     """Mean return and length of the episodes that ended in a batch of steps (any shape), over
     all devices; NaN where none ended. Call it inside the driver's pmap."""
-    episodes = jax.lax.psum(done.sum(), DEVICE_AXIS)
-    return_sum = jax.lax.psum(jnp.where(done, episode_return, 0.0).sum(), DEVICE_AXIS)
-    length_sum = jax.lax.psum(jnp.where(done, episode_length, 0).sum(), DEVICE_AXIS)
+    episodes = device_sum(done.sum())
+    return_sum = device_sum(jnp.where(done, episode_return, 0.0).sum())
+    length_sum = device_sum(jnp.where(done, episode_length, 0).sum())
     return {
         "episode_return": jnp.where(episodes > 0, return_sum / episodes, jnp.nan),
         "episode_length": jnp.where(episodes > 0, length_sum / episodes, jnp.nan),
