@@ -120,9 +120,11 @@ class Config(RunConfig):
 
 
 # Defaults per game; any flag overrides them. Small games get a small network and many games
-# at once; the CPU throughput figures in the README use these.
+# at once; the CPU throughput figures in the README use these. tic_tac_toe plays 128 games and
+# keeps 32 iterations of them: against the minimax player, two seeds lost 0-8% of their games
+# in evaluations 30-100, where 256 games and 4 iterations kept lost 0-31%.
 PRESETS = {
-    "tic_tac_toe": {},
+    "tic_tac_toe": dict(num_games=128, buffer_size=65_536),
     "connect_four": dict(
         num_iterations=300,
         num_games=128,

@@ -421,15 +421,23 @@ def run_dir_of(result):
 
 
 def test_run_outputs_reproducibility_and_two_devices(tmp_path):
-    first = run_dir_of(run_script(*tiny_args(tmp_path / "a"), "--num-seeds", "2"))
-    second = run_dir_of(run_script(*tiny_args(tmp_path / "b"), "--num-seeds", "2"))
+    """Two seeds x a sweep of two learning rates on two devices (--cpu-devices 2 restarts the
+    process with the host split in two), vmapped through self-play, SGD and the in-loop
+    evaluation, filmed with --capture-video; the same command again gives the same numbers."""
+    flags = ["--num-seeds", "2", "--cpu-devices", "2", "--capture-video"]
+    flags += ["--sweep", "lr=1e-3,3e-3"]
+    first = run_dir_of(run_script(*tiny_args(tmp_path / "a"), *flags))
+    second = run_dir_of(run_script(*tiny_args(tmp_path / "b"), *flags))
     assert_identical_runs(first, second)
     with open(f"{first}/summary.json") as f:
         summary = json.load(f)
     assert summary["algo"] == "az" and summary["step_unit"] == "moves"
     assert summary["headline_metric"] == "eval_mcts_score"
+    assert summary["num_devices"] == 2
+    ranking = summary["sweep"]["ranking"]
+    assert sorted(r["hyperparams"]["learning_rate"] for r in ranking) == [1e-3, 3e-3]
     finals = summary["final_metrics_per_seed"]
-    assert len(finals) == 2 and finals[0] != finals[1]  # seeds differ
+    assert len(finals) == 4 and finals[0] != finals[1]  # seeds differ
     for final in finals:
         assert final["eval_random_win"] + final["eval_random_draw"] + final[
             "eval_random_loss"
@@ -438,22 +446,10 @@ def test_run_outputs_reproducibility_and_two_devices(tmp_path):
     with open(f"{first}/metrics.csv") as f:
         header = f.readline().strip().split(",")
     assert {"eval_oracle_elo_low", "selfplay_game_length", "value_loss"} <= set(header)
-
-    # --cpu-devices 2 restarts the process with the host split into two devices; a sweep of
-    # two learning rates vmaps two runs through self-play, SGD and the in-loop evaluation.
-    sweep = ["--sweep", "lr=1e-3,3e-3"]
-    devices = run_dir_of(
-        run_script(*tiny_args(tmp_path / "c"), "--cpu-devices", "2", "--capture-video", *sweep)
-    )
-    with open(f"{devices}/summary.json") as f:
-        summary = json.load(f)
-    assert summary["num_devices"] == 2
-    ranking = summary["sweep"]["ranking"]
-    assert sorted(r["hyperparams"]["learning_rate"] for r in ranking) == [1e-3, 3e-3]
-    leaves = checkpoint_leaves(devices)
+    leaves = checkpoint_leaves(first)
     params = [v for v in leaves.values() if v.dtype == np.float32 and v.ndim >= 3]
-    assert params and all(np.array_equal(v[0], v[1]) for v in params[:4])
-    assert_game_records(devices, last_evaluation=4)
+    assert params and all(np.array_equal(v[0], v[1]) for v in params[:4])  # both devices
+    assert_game_records(first, last_evaluation=4)
 
 
 def assert_game_records(run_dir, last_evaluation):
@@ -511,10 +507,10 @@ def test_bad_game_exits_2_before_compiling(tmp_path):
 
 @pytest.mark.slow
 def test_tic_tac_toe_learns_to_never_lose(tmp_path):
-    """The default tic_tac_toe preset, cut to 40 iterations: no lost game against the random
-    player from either seat, and mostly draws against the perfect player."""
+    """The tic_tac_toe preset cut to 40 iterations and evaluated once at the end: no lost game
+    against the random player from either seat, and mostly draws against the perfect player."""
     result = run_script(
-        "purejaxrl_az.py", "--env", "tic_tac_toe", "--num-iterations", "40",
+        "purejaxrl_az.py", "--env", "tic_tac_toe", "--num-iterations", "40", "--eval-every", "40",
         "--no-progress", "--runs-dir", str(tmp_path), timeout=600,
     )  # fmt: skip
     with open(f"{run_dir_of(result)}/summary.json") as f:

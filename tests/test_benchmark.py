@@ -1,15 +1,18 @@
-"""The benchmark script keeps working (its numbers are reported, never asserted)."""
+"""The benchmark scripts keep working (their numbers are reported, never asserted).
+
+They run in pairs, one after the other: the second of each pair compiles the same trainer
+program as the first, so it reads that compilation from the session's JAX cache."""
 
 import json
 
 from tests.helpers import run_script
 
 
-def test_throughput_benchmark_runs_with_a_tiny_budget(tmp_path):
+def check_throughput_benchmark(tmp_path):
     out = tmp_path / "results.json"
     result = run_script(
         "benchmarks/throughput.py",
-        "--runs", "ppo:CartPole:1024:--num-envs 8", "dqn:CartPole:20000",
+        "--runs", "ppo:CartPole:1024:--num-envs 8", "dqn:CartPole:12000",
         "--no-progress",
         "--out", str(out),
     )  # fmt: skip
@@ -17,34 +20,35 @@ def test_throughput_benchmark_runs_with_a_tiny_budget(tmp_path):
     ppo, dqn = json.loads(out.read_text())
     assert (ppo["algo"], ppo["env_id"], ppo["env_steps"]) == ("ppo", "CartPole-v1", 1024)
     assert ppo["num_envs"] == 8 and ppo["extra_flags"] == "--num-envs 8"
-    assert (dqn["algo"], dqn["env_id"], dqn["env_steps"]) == ("dqn", "CartPole-v1", 20000)
+    assert (dqn["algo"], dqn["env_id"], dqn["env_steps"]) == ("dqn", "CartPole-v1", 12000)
     for row in (ppo, dqn):
         assert row["train_steps_per_second"] > 0 and row["random_policy_steps_per_second"] > 0
     assert "| ppo | CartPole-v1 | --num-envs 8 |" in result.stdout
     assert "| dqn | CartPole-v1 | preset |" in result.stdout
 
 
-def test_az_selfplay_benchmark_runs_with_a_tiny_budget(tmp_path):
+def check_az_selfplay_benchmark(tmp_path):
     out = tmp_path / "results.json"
+    # The sizes of benchmarks/gpu.py's --smoke AlphaZero run.
     result = run_script(
         "benchmarks/az_selfplay.py",
-        "--games", "tic_tac_toe:8",
+        "--games", "connect_four:16",
         "--iterations", "2",
         "--rollout-steps", "4",
         "--num-simulations", "4",
-        "--extra=--eval-every 2 --eval-episodes 4 --baseline-sims 2 --minibatch-size 8 "
-        "--buffer-size 64 --rollout-steps 4 --num-channels 8 --num-blocks 1",
+        "--extra=--rollout-steps 4 --buffer-size 256 --minibatch-size 16 --eval-every 2 "
+        "--eval-episodes 4 --baseline-sims 2 --num-channels 8 --num-blocks 1",
         "--out", str(out),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     (row,) = json.loads(out.read_text())
-    assert (row["game"], row["num_games"]) == ("tic_tac_toe", 8)
+    assert (row["game"], row["num_games"]) == ("connect_four", 16)
     assert row["reference_moves_per_second"] > 0 and row["ours_moves_per_second"] > 0
     assert row["ratio"] > 0
-    assert "| tic_tac_toe | 8 | 1 x cpu |" in result.stdout
+    assert "| connect_four | 16 | 1 x cpu |" in result.stdout
 
 
-def test_gpu_benchmark_smoke_mode_runs_on_cpu(tmp_path):
+def check_gpu_benchmark_smoke_mode(tmp_path):
     out = tmp_path / "gpu.json"
     result = run_script("benchmarks/gpu.py", "--smoke", "--out", str(out), timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -62,8 +66,8 @@ def test_gpu_benchmark_smoke_mode_runs_on_cpu(tmp_path):
     assert results["runs"]["az_connect_four_1024_games"]["unit"] == "moves"
 
 
-def test_dqn_yardstick_runs_with_a_tiny_budget(tmp_path):
-    out = tmp_path / "results.json"
+def check_dqn_yardstick(tmp_path):
+    out = tmp_path / "yardstick.json"
     result = run_script(
         "benchmarks/dqn_yardstick.py",
         "--total-timesteps", "12000",
@@ -78,3 +82,13 @@ def test_dqn_yardstick_runs_with_a_tiny_budget(tmp_path):
     for row in (reference, unrolled, preset, equivalent):
         assert row["steps_per_second"][0] > 0 and row["total_timesteps"] == 12000
     assert "| PureJaxRL dqn.py loop |" in result.stdout
+
+
+def test_gpu_smoke_then_az_selfplay_benchmarks_run(tmp_path):
+    check_gpu_benchmark_smoke_mode(tmp_path)
+    check_az_selfplay_benchmark(tmp_path)
+
+
+def test_throughput_then_dqn_yardstick_benchmarks_run(tmp_path):
+    check_throughput_benchmark(tmp_path)  # its DQN run is the yardstick's preset run
+    check_dqn_yardstick(tmp_path)
