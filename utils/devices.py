@@ -46,8 +46,9 @@ def unroll_threefry_on_cpu(unrolled: bool = True) -> None:
     time. The bits are the same; each random call becomes a few fused kernels instead of a
     loop of ~30. DQN on CartPole, which draws random numbers several times per small update,
     launched 4x fewer kernels and ran 1.4x faster; AlphaZero 1.1x; PPO the same. It costs
-    ~1.5 s more compilation. This uses JAX internals (pinned in requirements.txt). It applies
-    to programs lowered afterwards; `unrolled=False` restores JAX's CPU default."""
+    ~1.5 s more compilation for PPO and DQN, ~5 s for AlphaZero. This uses JAX internals
+    (pinned in requirements.txt; tests/test_devices.py checks them). It applies to programs
+    lowered afterwards; `unrolled=False` restores JAX's CPU default."""
     from jax._src.interpreters import mlir
     from jax._src.random import threefry2x32
 

@@ -1,0 +1,36 @@
+"""Device helpers that change how programs are built, never what they compute."""
+
+import jax
+import numpy as np
+
+from utils.devices import DEVICE_AXIS, device_mean, device_sum, unroll_threefry_on_cpu
+
+
+def test_unrolled_threefry_draws_the_same_numbers_without_a_loop():
+    def draws(key):
+        uniform_key, int_key = jax.random.split(key)
+        return jax.random.uniform(uniform_key, (7,)), jax.random.randint(int_key, (5,), 0, 100)
+
+    key = jax.random.PRNGKey(42)
+    try:
+        unroll_threefry_on_cpu(False)
+        rolled = jax.jit(draws).lower(key).compile()
+        unroll_threefry_on_cpu(True)
+        unrolled = jax.jit(lambda k: draws(k)).lower(key).compile()  # a new function: relowered
+    finally:
+        unroll_threefry_on_cpu(True)  # as the driver leaves it
+    assert " while(" in rolled.as_text() and " while(" not in unrolled.as_text()
+    for a, b in zip(rolled(key), unrolled(key), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_device_reductions_are_the_identity_on_one_device():
+    # Several devices, across processes too, are covered by tests/test_multihost.py.
+    def reduce(x):
+        return device_sum(x), device_mean(x)
+
+    one = jax.pmap(reduce, axis_name=DEVICE_AXIS)
+    assert "all-reduce" not in one.lower(np.ones((1, 3))).compile().as_text()
+    total, mean = one(np.arange(3.0)[None])
+    np.testing.assert_array_equal(total[0], [0.0, 1.0, 2.0])
+    np.testing.assert_array_equal(mean[0], [0.0, 1.0, 2.0])
