@@ -7,8 +7,7 @@
 The reference is the self-play step of pgx's examples/alphazero/train.py with that example's
 configuration scaled down: its ResNet v2 (BatchNorm, 2 blocks x 32 channels, XLA convolutions),
 32 simulations of Gumbel MuZero, `auto_reset` games, pmapped over the local devices. It only
-plays: moves/s of one jitted call of `--rollout-steps` moves, compile excluded, with JAX's
-default CPU lowering of its random numbers (ours unrolls it: utils/devices.py).
+plays: moves/s of one jitted call of `--rollout-steps` moves, compile excluded.
 
 Ours is `purejaxrl_az.py` at the game's preset (same network size, simulations and number of
 games) through the normal driver, so its moves/s also pay for the replay buffer, value targets,
@@ -36,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import purejaxrl_az
 from utils.cli import parse_config
-from utils.devices import split_cpu_host, unroll_threefry_on_cpu
+from utils.devices import split_cpu_host
 from utils.driver import run_training
 
 
@@ -95,9 +94,7 @@ class ReferenceNet(nn.Module):
 
 
 def reference_moves_per_second(game: str, num_games: int, steps: int, simulations: int):
-    """(moves/s, compile s) of the pgx example's self-play step, compiled as JAX does by
-    default: our driver's unrolled threefry lowering (utils/devices.py) is switched off."""
-    unroll_threefry_on_cpu(False)
+    """(moves/s, compile s) of the pgx example's self-play step."""
     env = pgx.make(game)
     devices = jax.local_device_count()
     games_per_device = num_games // devices

@@ -45,10 +45,11 @@ def unroll_threefry_on_cpu(unrolled: bool = True) -> None:
     form JAX uses on GPU and TPU, instead of the five-round loop it emits on CPU to save compile
     time. The bits are the same; each random call becomes a few fused kernels instead of a
     loop of ~30. DQN on CartPole, which draws random numbers several times per small update,
-    launched 4x fewer kernels and ran 1.4x faster; AlphaZero 1.1x; PPO the same. It costs
-    ~1.5 s more compilation for PPO and DQN, ~5 s for AlphaZero. This uses JAX internals
-    (pinned in requirements.txt; tests/test_devices.py checks them). It applies to programs
-    lowered afterwards; `unrolled=False` restores JAX's CPU default."""
+    launched 4x fewer kernels and ran 1.4x faster; PPO ran the same; AlphaZero's self-play ran
+    ~9% slower, so its trainer keeps JAX's default (`Trainer.unrolled_threefry`). It costs
+    ~1.5 s more compilation. This uses JAX internals (pinned in requirements.txt;
+    tests/test_devices.py checks them). It applies to programs lowered afterwards;
+    `unrolled=False` restores JAX's CPU default."""
     from jax._src.interpreters import mlir
     from jax._src.random import threefry2x32
 

@@ -69,6 +69,9 @@ class Trainer:
     headline_metric: str = "episode_return"  # the progress bar's number and the final return
     step_unit: str = "steps"  # what steps_per_update counts, for the reports
     updates_per_chunk: int | None = None  # a chunk length the algorithm needs (None: free)
+    # lower jax.random's threefry hash unrolled on CPU (utils/devices.py): faster where small
+    # updates draw random numbers often, slower for AlphaZero's self-play
+    unrolled_threefry: bool = True
 
     def train(self, key):
         """The whole run as one scan over updates: (final state, metrics [num_updates])."""
@@ -229,7 +232,6 @@ def run_training(config, make_train: Callable[..., Trainer], return_state: bool 
     check_run_config(config)
     # may restart the process, so before anything is written
     split_cpu_host(config.cpu_devices, process_group(config))
-    unroll_threefry_on_cpu()
     multi_process, is_main = jax.process_count() > 1, jax.process_index() == 0
     if multi_process and config.resume is not None:
         raise ConfigError(
@@ -238,6 +240,7 @@ def run_training(config, make_train: Callable[..., Trainer], return_state: bool 
         )
     config = dataclasses.replace(config, num_devices=resolve_num_devices(config.num_devices))
     trainer = make_train(config)  # raises ConfigError for bad algorithm flags, before compiling
+    unroll_threefry_on_cpu(trainer.unrolled_threefry)  # before anything is lowered
     num_devices, num_seeds = config.num_devices, config.num_seeds
     local_devices = num_devices // jax.process_count()  # the pmapped axis of this process
 
