@@ -1,6 +1,7 @@
 """--capture-video: a GIF of one greedy episode after training, or one line where gymnax has no
 renderer."""
 
+import json
 import os
 
 from PIL import Image
@@ -19,6 +20,10 @@ def test_minatar_episode_gif_is_written(tmp_path, tiny_ppo_args):
     assert not os.path.exists(gif + ".tmp.gif")
 
 
+def reject_constant(name):
+    raise ValueError(f"{name} is not JSON")
+
+
 def test_env_without_renderer_gets_a_notice(tmp_path):
     result = run_script(
         "purejaxrl_dqn.py", "--env", "DeepSea", "--total-timesteps", "400",
@@ -30,3 +35,7 @@ def test_env_without_renderer_gets_a_notice(tmp_path):
     assert "gymnax has no renderer for DeepSea-bsuite" in result.stdout
     run_dir = result.stdout.strip().splitlines()[-1].split("-> ")[-1]
     assert not os.path.exists(os.path.join(run_dir, "videos"))
+    # No evaluation episodes: the missing returns are null, and summary.json stays strict JSON.
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        summary = json.load(f, parse_constant=reject_constant)
+    assert summary["eval_return_per_seed"] == [None] and summary["eval_return_mean"] is None

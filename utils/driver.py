@@ -109,10 +109,22 @@ def check_run_config(config) -> None:
         raise ConfigError(f"--eval-episodes must be >= 0, got {config.eval_episodes}")
 
 
+def _strict_json(value):
+    """`value` with every non-finite float as None: Python writes NaN and Infinity, which strict
+    JSON readers (jq, JavaScript, most other languages) reject; null is what they all read."""
+    if isinstance(value, dict):
+        return {k: _strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict_json(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
 def _write_json(path: str, data: dict) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump(data, f, indent=2)
+        json.dump(_strict_json(data), f, indent=2, allow_nan=False)
         f.write("\n")
     os.replace(tmp, path)
 
