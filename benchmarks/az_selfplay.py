@@ -17,7 +17,6 @@ SGD, the in-loop evaluation every `--eval-every` iterations, metrics and checkpo
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 import tempfile
@@ -37,6 +36,7 @@ import purejaxrl_az
 from utils.cli import parse_config
 from utils.devices import split_cpu_host
 from utils.driver import run_training
+from utils.logs import write_json
 
 
 @dataclasses.dataclass
@@ -193,8 +193,7 @@ def main(args: Args) -> list[dict]:
             f"{r['ratio']} | {r['reference_compile_seconds']} / {r['ours_compile_seconds']} |"
         )
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
+        write_json(args.out, results)
     return results
 
 

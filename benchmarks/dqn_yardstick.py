@@ -22,7 +22,6 @@ env steps/s exclude compilation.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 import tempfile
@@ -44,6 +43,7 @@ from utils.cli import parse_config
 from utils.devices import unroll_threefry_on_cpu
 from utils.driver import run_training
 from utils.envs import make_env
+from utils.logs import write_json
 
 
 @dataclasses.dataclass
@@ -228,8 +228,7 @@ def main(args: Args) -> list[dict]:
         compiles = " / ".join(str(c) for c in r["compile_seconds"])
         print(f"| {r['setting']} | {steps} | {compiles} | {r['ratio_to_reference']} |")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
+        write_json(args.out, results)
     return results
 
 

@@ -13,7 +13,6 @@ seeds, compile seconds and wall seconds.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import platform
 import sys
@@ -30,6 +29,7 @@ import purejaxrl_dqn
 import purejaxrl_ppo
 from utils.cli import parse_config
 from utils.driver import run_training
+from utils.logs import write_json
 
 
 @dataclasses.dataclass
@@ -108,8 +108,7 @@ def main(args: Args) -> dict:
                 "final": summary["final_return_mean"],
             }
     results["total_seconds"] = round(time.perf_counter() - start, 1)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2)
+    write_json(args.out, results)
     for name, row in results["runs"].items():
         print(
             f"{name}: {row['per_second_all_seeds']:,} {row['unit']}/s, "

@@ -14,7 +14,6 @@ learning at all.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 import tempfile
@@ -31,6 +30,7 @@ import purejaxrl_ppo
 from utils.cli import parse_config
 from utils.driver import run_training
 from utils.envs import make_env
+from utils.logs import write_json
 from utils.sweep import num_configs
 
 TRAINERS = {"ppo": purejaxrl_ppo, "dqn": purejaxrl_dqn}
@@ -127,8 +127,7 @@ def main(args: Args) -> list[dict]:
             f"{r['ratio_to_random_policy']} |"
         )
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
+        write_json(args.out, results)
     return results
 
 

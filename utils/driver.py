@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import os
 import sys
@@ -31,7 +30,7 @@ from utils.devices import (
     unroll_threefry_on_cpu,
 )
 from utils.errors import ConfigError
-from utils.logs import MetricsCsv, WandbSink, read_metrics_csv
+from utils.logs import MetricsCsv, WandbSink, read_metrics_csv, write_json
 from utils.plotting import plot_learning_curve
 from utils.sweep import config_label, sweep_configs
 from utils.video import write_episode_gif
@@ -109,26 +108,6 @@ def check_run_config(config) -> None:
         raise ConfigError(f"--eval-episodes must be >= 0, got {config.eval_episodes}")
 
 
-def _strict_json(value):
-    """`value` with every non-finite float as None: Python writes NaN and Infinity, which strict
-    JSON readers (jq, JavaScript, most other languages) reject; null is what they all read."""
-    if isinstance(value, dict):
-        return {k: _strict_json(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_strict_json(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
-
-
-def _write_json(path: str, data: dict) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(_strict_json(data), f, indent=2, allow_nan=False)
-        f.write("\n")
-    os.replace(tmp, path)
-
-
 def _new_run_dir(config, trainer: Trainer) -> str:
     name = f"{trainer.env_id}__{trainer.algo}__{config.seed}__{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = os.path.join(config.runs_dir, name)
@@ -137,7 +116,7 @@ def _new_run_dir(config, trainer: Trainer) -> str:
         suffix += 1
         run_dir = os.path.join(config.runs_dir, f"{name}-{suffix}")
     os.makedirs(run_dir)
-    _write_json(os.path.join(run_dir, "config.json"), dataclasses.asdict(config))
+    write_json(os.path.join(run_dir, "config.json"), dataclasses.asdict(config))
     return run_dir
 
 
@@ -474,7 +453,7 @@ def run_training(config, make_train: Callable[..., Trainer], return_state: bool 
             "num_configs": num_configs,
             "ranking": _sweep_ranking(overrides, final_returns, eval_returns),
         }
-    _write_json(os.path.join(run_dir, "summary.json"), summary)
+    write_json(os.path.join(run_dir, "summary.json"), summary)
     plot_learning_curve(
         csv_path,
         os.path.join(run_dir, "learning_curve.png"),

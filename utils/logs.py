@@ -1,9 +1,10 @@
-"""Metric sinks: metrics.csv (always) and Weights & Biases (with --track)."""
+"""Metric sinks: metrics.csv (always) and Weights & Biases (with --track); JSON reports."""
 
 from __future__ import annotations
 
 import csv
 import dataclasses
+import json
 import math
 import os
 
@@ -116,3 +117,24 @@ class WandbSink:
     def finish(self, summary: dict):
         self.run.summary.update({k: v for k, v in summary.items() if not isinstance(v, list)})
         self.run.finish()
+
+
+def _strict_json(value):
+    """`value` with every non-finite float as None: Python writes NaN and Infinity, which strict
+    JSON readers (jq, JavaScript, most other languages) reject; null is what they all read."""
+    if isinstance(value, dict):
+        return {k: _strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict_json(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def write_json(path: str, data) -> None:
+    """`data` as strict JSON at `path`, written whole or not at all (a temporary file, renamed)."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(_strict_json(data), f, indent=2, allow_nan=False)
+        f.write("\n")
+    os.replace(tmp, path)
