@@ -253,7 +253,7 @@ class ResNet(nn.Module):
     num_blocks: int
     num_channels: int
     batch_norm: bool
-    conv_as_matmul: bool = True  # see utils/layers.py and make_train
+    conv_method: str = "matmul"  # see utils/layers.py and make_train
 
     @nn.compact
     def __call__(self, obs, train: bool = False):
@@ -263,7 +263,7 @@ class ResNet(nn.Module):
             return nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
 
         def conv(x):
-            return Conv3x3(self.num_channels, self.conv_as_matmul)(x)
+            return Conv3x3(self.num_channels, self.conv_method)(x)
 
         x = conv(obs.astype(jnp.float32))
         for _ in range(self.num_blocks):
@@ -654,18 +654,22 @@ def make_train(config: Config) -> Trainer:
         action_permutations(game, num_actions) if config.augment else np.arange(num_actions)[None]
     )
     oracle_table = jnp.asarray(solve_tic_tac_toe()) if game == "tic_tac_toe" else None
-    # One set of parameters, two ways to compute its convolutions (utils/layers.py): with one
-    # run, search runs XLA's convolution (self-play about 10% faster on CPU); SGD, and all of
-    # it with vmapped seeds or sweep configurations, the matmul form (XLA's convolution
+    # One set of parameters, several ways to compute its convolutions (utils/layers.py). On
+    # boards of at most 3x3 (tic_tac_toe) one dense matmul over the whole board does the
+    # convolution's own arithmetic, fastest for search and SGD alike. On larger boards, with
+    # one run, search runs XLA's convolution (self-play about 10% faster on CPU); SGD, and all
+    # of it with vmapped seeds or sweep configurations, the matmul form (XLA's convolution
     # gradient in a loop: ~30x slower).
+    small_board = max(env.observation_shape[:2]) <= 3
+    one_run = config.num_seeds * num_configs(config.sweep) == 1
     network = ResNet(
         num_actions,
         config.num_blocks,
         config.num_channels,
         config.batch_norm,
-        conv_as_matmul=config.num_seeds * num_configs(config.sweep) > 1,
+        conv_method="dense" if small_board else "xla" if one_run else "matmul",
     )
-    learner = network.clone(conv_as_matmul=True)
+    learner = network.clone(conv_method="dense" if small_board else "matmul")
 
     def evaluate_with_network(variables, key, state):
         return network.apply(variables, state.observation)

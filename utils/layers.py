@@ -3,22 +3,29 @@
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 class Conv3x3(nn.Module):
     """`nn.Conv(features, (3, 3))` with 'SAME' padding: same parameters, same function, and a
-    choice of how XLA computes it.
+    choice of how XLA computes it (`method`):
 
-    `matmul=True` (the default) writes the convolution as nine shifted copies of the input and
-    one matmul. XLA:CPU is fast at it everywhere. Its own convolution is slow in two places:
-    with vmapped parameters (several seeds in one program) JAX makes it a grouped convolution,
-    2-5x slower; and its gradient inside a loop (`lax.scan`) ran about 30x slower than the
-    matmul form's. `matmul=False` calls XLA's convolution, 1.2-1.4x faster for a forward pass
-    with unbatched parameters, so only for acting, with one seed.
+    - "matmul" (the default) writes the convolution as nine shifted copies of the input and
+      one matmul. XLA:CPU is fast at it everywhere. Its own convolution is slow in two places:
+      with vmapped parameters (several seeds in one program) JAX makes it a grouped
+      convolution, 2-5x slower; and its gradient inside a loop (`lax.scan`) ran about 30x
+      slower than the matmul form's.
+    - "xla" calls XLA's convolution, 1.2-1.4x faster for a forward pass with unbatched
+      parameters, so only for acting, with one seed.
+    - "dense" multiplies the flattened board by one [height*width*channels, height*width*
+      features] matrix gathered from the kernel. On a board of at most 3x3 every output sees
+      the whole board, so this is the convolution's own arithmetic in one matmul: 1.4-1.6x
+      faster than both others for a tic_tac_toe forward pass on CPU. Larger boards pay
+      height*width/9 times the arithmetic (4.7x on connect_four's 6x7): slower there.
     """
 
     features: int
-    matmul: bool = True
+    method: str = "matmul"
     kernel_init: nn.initializers.Initializer = nn.initializers.lecun_normal()
 
     @nn.compact
@@ -26,8 +33,8 @@ class Conv3x3(nn.Module):
         channels = x.shape[-1]
         kernel = self.param("kernel", self.kernel_init, (3, 3, channels, self.features))
         bias = self.param("bias", nn.initializers.zeros_init(), (self.features,))
-        if self.matmul:
-            height, width = x.shape[-3:-1]
+        height, width = x.shape[-3:-1]
+        if self.method == "matmul":
             padded = jnp.pad(x, [(0, 0)] * (x.ndim - 3) + [(1, 1), (1, 1), (0, 0)])
             # Patches ordered (row offset, column offset, channel): the kernel's own layout.
             patches = jnp.concatenate(
@@ -35,6 +42,18 @@ class Conv3x3(nn.Module):
                 axis=-1,
             )
             return patches @ kernel.reshape(9 * channels, self.features) + bias
+        if self.method == "dense":
+            taps = jnp.concatenate(
+                [kernel.reshape(9, channels, self.features), jnp.zeros_like(kernel[:1, 0])]
+            )
+            # [in position, out position, in channel, out channel] -> rows (in position, in
+            # channel), columns (out position, out channel): the flattened board's layouts.
+            dense = taps[dense_tap_index(height, width)].transpose(0, 2, 1, 3)
+            flat = x.reshape(*x.shape[:-3], height * width * channels)
+            y = flat @ dense.reshape(height * width * channels, height * width * self.features)
+            return y.reshape(*x.shape[:-3], height, width, self.features) + bias
+        if self.method != "xla":
+            raise ValueError(f"Conv3x3 method must be matmul, dense or xla, got {self.method!r}")
         batch_shape = x.shape[:-3]
         y = jax.lax.conv_general_dilated(
             x.reshape(-1, *x.shape[-3:]),
@@ -44,3 +63,16 @@ class Conv3x3(nn.Module):
             dimension_numbers=("NHWC", "HWIO", "NHWC"),
         )
         return y.reshape(*batch_shape, *y.shape[1:]) + bias
+
+
+def dense_tap_index(height: int, width: int) -> np.ndarray:
+    """[in position, out position] -> which of the kernel's nine taps (row offset, column
+    offset) links them, or 9 (a zero tap) where the input is out of the 3x3 window."""
+    index = np.full((height * width, height * width), 9)
+    for row in range(height):
+        for col in range(width):
+            for tap, (dr, dc) in enumerate(np.ndindex(3, 3)):
+                r, c = row + dr - 1, col + dc - 1
+                if 0 <= r < height and 0 <= c < width:
+                    index[r * width + c, row * width + col] = tap
+    return index
