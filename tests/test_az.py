@@ -420,15 +420,41 @@ def run_dir_of(result):
     return result.stdout.strip().splitlines()[-1].split("-> ")[-1]
 
 
-def test_run_outputs_reproducibility_and_two_devices(tmp_path):
+# A run that a Ctrl-C stops after its second iteration: the driver's progress report, which
+# follows every compiled chunk, raises KeyboardInterrupt there.
+INTERRUPTED_AFTER_ITERATION_2 = """
+import runpy, sys
+from utils import driver
+
+def interrupt(self, done, *_):
+    if done == 2:
+        raise KeyboardInterrupt
+
+driver._Progress.update = interrupt
+sys.argv = ["purejaxrl_az.py", *sys.argv[1:]]
+runpy.run_path("purejaxrl_az.py", run_name="__main__")
+"""
+
+
+def test_run_outputs_reproducibility_resume_and_two_devices(tmp_path):
     """Two seeds x a sweep of two learning rates on two devices (--cpu-devices 2 restarts the
     process with the host split in two), vmapped through self-play, SGD and the in-loop
-    evaluation, filmed with --capture-video; the same command again gives the same numbers."""
+    evaluation, filmed with --capture-video; the same command again, interrupted after its
+    first chunk and resumed, gives the same numbers."""
     flags = ["--num-seeds", "2", "--cpu-devices", "2", "--capture-video"]
     flags += ["--sweep", "lr=1e-3,3e-3"]
     first = run_dir_of(run_script(*tiny_args(tmp_path / "a"), *flags))
-    second = run_dir_of(run_script(*tiny_args(tmp_path / "b"), *flags))
+    stopped = run_script(
+        "-c", INTERRUPTED_AFTER_ITERATION_2, *tiny_args(tmp_path / "b")[1:], *flags, devices=2
+    )
+    assert stopped.returncode == 130, stopped.stderr[-3000:]
+    second = stopped.stderr.strip().split("--resume ")[-1]
+    assert not os.path.exists(f"{second}/summary.json")
+    resumed = run_script("purejaxrl_az.py", "--resume", second, "--no-progress", devices=2)
+    assert run_dir_of(resumed) == second
     assert_identical_runs(first, second)
+    with open(f"{second}/summary.json") as f:
+        assert json.load(f)["resumed_from_update"] == 2
     with open(f"{first}/summary.json") as f:
         summary = json.load(f)
     assert summary["algo"] == "az" and summary["step_unit"] == "moves"

@@ -36,6 +36,7 @@ def check_az_selfplay_benchmark(tmp_path):
         "--iterations", "2",
         "--rollout-steps", "4",
         "--num-simulations", "4",
+        "--rounds", "2",
         "--extra=--rollout-steps 4 --buffer-size 256 --minibatch-size 16 --eval-every 2 "
         "--eval-episodes 4 --baseline-sims 2 --num-channels 8 --num-blocks 1",
         "--out", str(out),
@@ -43,7 +44,8 @@ def check_az_selfplay_benchmark(tmp_path):
     assert result.returncode == 0, result.stderr
     (row,) = json.loads(out.read_text())
     assert (row["game"], row["num_games"]) == ("connect_four", 16)
-    assert row["reference_moves_per_second"] > 0 and row["ours_moves_per_second"] > 0
+    assert len(row["reference_moves_per_second"]) == len(row["ours_moves_per_second"]) == 2
+    assert min(row["reference_moves_per_second"] + row["ours_moves_per_second"]) > 0
     assert row["ratio"] > 0
     assert "| connect_four | 16 | 1 x cpu |" in result.stdout
 
