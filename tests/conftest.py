@@ -17,6 +17,13 @@ if _OWNS_CACHE:
     os.environ[_CACHE_VARIABLE] = tempfile.mkdtemp(prefix="purejaxrl-tests-jax-cache-")
 os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ[_CACHE_VARIABLE]
 
+# The suite compiles dozens of programs that then run for seconds: at LLVM optimisation level 1
+# a small AlphaZero run compiled 15-20% faster than at XLA's default level and ran 3-13%
+# slower. The subprocesses inherit it (tests.helpers.run_script keeps it).
+_LLVM_LEVEL = "--xla_backend_optimization_level=1"
+if _LLVM_LEVEL not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_LLVM_LEVEL}".strip()
+
 
 def pytest_configure(config):
     import jax
