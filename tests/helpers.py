@@ -3,7 +3,6 @@
 import csv
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,15 +10,14 @@ from pathlib import Path
 import numpy as np
 import orbax.checkpoint as ocp
 
+from utils.devices import xla_flags_with_cpu_devices
+
 REPO = Path(__file__).resolve().parent.parent
 
 
 def run_script(*args, devices: int = 1, timeout: int = 300, env_extra=None):
     """Run `python <args>` from the repo root in a fresh process (fake CPU devices if asked)."""
-    flags = re.sub(
-        r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", "")
-    )
-    env = {**os.environ, "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={devices}"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags_with_cpu_devices(devices)}
     env.update(env_extra or {})
     return subprocess.run(
         [sys.executable, *args],

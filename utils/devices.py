@@ -61,6 +61,13 @@ def unroll_threefry_on_cpu(unrolled: bool = True) -> None:
     mlir.register_lowering(threefry2x32.threefry2x32_p, rule, platform="cpu")
 
 
+def xla_flags_with_cpu_devices(num_cpu_devices: int) -> str:
+    """This process's XLA_FLAGS with the CPU device count set to `num_cpu_devices`, every other
+    flag kept: the environment a process needs to start with that many CPU devices."""
+    flags = re.sub(rf"{_DEVICE_COUNT_FLAG}=\S+", "", os.environ.get("XLA_FLAGS", ""))
+    return f"{flags} {_DEVICE_COUNT_FLAG}={num_cpu_devices}".strip()
+
+
 def split_cpu_host(num_cpu_devices: int, processes: dict | None = None) -> None:
     """Give the CPU backend `num_cpu_devices` devices (0: leave it alone, -1: one per core) and,
     with `processes` (jax.distributed.initialize's arguments, None values for "ask the cluster
@@ -93,8 +100,7 @@ def split_cpu_host(num_cpu_devices: int, processes: dict | None = None) -> None:
             else "--distributed: the process group did not start after restarting"
         )
     if split:
-        flags = re.sub(rf"{_DEVICE_COUNT_FLAG}=\S+", "", os.environ.get("XLA_FLAGS", ""))
-        os.environ["XLA_FLAGS"] = f"{flags} {_DEVICE_COUNT_FLAG}={num_cpu_devices}".strip()
+        os.environ["XLA_FLAGS"] = xla_flags_with_cpu_devices(num_cpu_devices)
     os.environ[_RESTARTED] = asked
     command = [sys.executable, *sys.orig_argv[1:]]
     if join:
