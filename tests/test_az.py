@@ -533,10 +533,10 @@ def test_bad_game_exits_2_before_compiling(tmp_path):
 
 @pytest.mark.slow
 def test_tic_tac_toe_learns_to_never_lose(tmp_path):
-    """The tic_tac_toe preset cut to 40 iterations and evaluated once at the end: no lost game
+    """The tic_tac_toe preset cut to 30 iterations and evaluated once at the end: no lost game
     against the random player from either seat, and mostly draws against the perfect player."""
     result = run_script(
-        "purejaxrl_az.py", "--env", "tic_tac_toe", "--num-iterations", "40", "--eval-every", "40",
+        "purejaxrl_az.py", "--env", "tic_tac_toe", "--num-iterations", "30", "--eval-every", "30",
         "--no-progress", "--runs-dir", str(tmp_path), timeout=600,
     )  # fmt: skip
     with open(f"{run_dir_of(result)}/summary.json") as f:
