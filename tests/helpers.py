@@ -3,6 +3,7 @@
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,9 +16,22 @@ from utils.devices import xla_flags_with_cpu_devices
 REPO = Path(__file__).resolve().parent.parent
 
 
-def run_script(*args, devices: int = 1, timeout: int = 300, env_extra=None):
-    """Run `python <args>` from the repo root in a fresh process (fake CPU devices if asked)."""
-    env = {**os.environ, "XLA_FLAGS": xla_flags_with_cpu_devices(devices)}
+LLVM_LEVEL_FLAG = "--xla_backend_optimization_level"
+
+
+def with_llvm_level(xla_flags: str, level: int) -> str:
+    """XLA_FLAGS with XLA:CPU's LLVM optimisation level set to `level` (0-3; XLA's default 3)."""
+    kept = re.sub(rf"{LLVM_LEVEL_FLAG}=\d+", "", xla_flags).split()
+    return " ".join([*kept, f"{LLVM_LEVEL_FLAG}={level}"])
+
+
+def run_script(*args, devices=1, timeout=300, env_extra=None, llvm_level=None):
+    """Run `python <args>` from the repo root in a fresh process (fake CPU devices if asked),
+    at the session's LLVM optimisation level unless `llvm_level` names another."""
+    xla_flags = xla_flags_with_cpu_devices(devices)
+    if llvm_level is not None:
+        xla_flags = with_llvm_level(xla_flags, llvm_level)
+    env = {**os.environ, "XLA_FLAGS": xla_flags}
     env.update(env_extra or {})
     return subprocess.run(
         [sys.executable, *args],

@@ -537,7 +537,7 @@ def test_tic_tac_toe_learns_to_never_lose(tmp_path):
     against the random player from either seat, and mostly draws against the perfect player."""
     result = run_script(
         "purejaxrl_az.py", "--env", "tic_tac_toe", "--num-iterations", "30", "--eval-every", "30",
-        "--no-progress", "--runs-dir", str(tmp_path), timeout=600,
+        "--no-progress", "--runs-dir", str(tmp_path), timeout=600, llvm_level=1,
     )  # fmt: skip
     with open(f"{run_dir_of(result)}/summary.json") as f:
         final = json.load(f)["final_metrics_per_seed"][0]

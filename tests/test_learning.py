@@ -4,17 +4,27 @@ import json
 
 import pytest
 
-from purejaxrl_ppo import PRESETS, Config, make_train
 from tests.helpers import run_script
-from utils.cli import parse_config
-from utils.driver import run_training
 
 pytestmark = pytest.mark.slow
 
 
+def summary_of(runs_dir) -> dict:
+    (run_dir,) = runs_dir.iterdir()
+    return json.loads((run_dir / "summary.json").read_text())
+
+
 def test_cartpole_reaches_475_within_5e5_steps_on_two_seeds(tmp_path):
-    args = ["--env", "CartPole", "--num-seeds", "2", "--no-progress", "--runs-dir", str(tmp_path)]
-    summary = run_training(parse_config(Config, PRESETS, args), make_train)
+    result = run_script(
+        "purejaxrl_ppo.py",
+        "--env", "CartPole",
+        "--num-seeds", "2",
+        "--no-progress",
+        "--runs-dir", str(tmp_path),
+        llvm_level=1,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    summary = summary_of(tmp_path)
     assert summary["env_steps_per_seed"] <= 500_000
     assert min(summary["final_return_per_seed"]) >= 475, summary["final_return_per_seed"]
     assert min(summary["eval_return_per_seed"]) >= 475, summary["eval_return_per_seed"]
@@ -29,9 +39,9 @@ def test_two_devices_run_and_learn(tmp_path):
         "--no-progress",
         "--runs-dir", str(tmp_path),
         devices=2,
+        llvm_level=1,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    (run_dir,) = tmp_path.iterdir()
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = summary_of(tmp_path)
     assert summary["num_devices"] == 2
     assert summary["final_return_per_seed"][0] >= 475, summary
