@@ -43,6 +43,12 @@ def run_script(*args, devices=1, timeout=300, env_extra=None, llvm_level=None):
     )
 
 
+def summary_of_only_run(runs_dir: Path) -> dict:
+    """summary.json of the one run directory under `runs_dir`."""
+    (run_dir,) = runs_dir.iterdir()
+    return json.loads((run_dir / "summary.json").read_text())
+
+
 def checkpoint_leaves(run_dir) -> dict[str, np.ndarray]:
     """All arrays of the latest checkpoint in a run directory, by leaf index."""
     checkpoints = sorted((Path(run_dir) / "checkpoints").glob("update_*"))

@@ -1,17 +1,10 @@
 """PPO must learn: short CPU runs that fail if learning breaks."""
 
-import json
-
 import pytest
 
-from tests.helpers import run_script
+from tests.helpers import run_script, summary_of_only_run
 
 pytestmark = pytest.mark.slow
-
-
-def summary_of(runs_dir) -> dict:
-    (run_dir,) = runs_dir.iterdir()
-    return json.loads((run_dir / "summary.json").read_text())
 
 
 def test_cartpole_reaches_475_within_5e5_steps_on_two_seeds(tmp_path):
@@ -24,7 +17,7 @@ def test_cartpole_reaches_475_within_5e5_steps_on_two_seeds(tmp_path):
         llvm_level=1,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    summary = summary_of(tmp_path)
+    summary = summary_of_only_run(tmp_path)
     assert summary["env_steps_per_seed"] <= 500_000
     assert min(summary["final_return_per_seed"]) >= 475, summary["final_return_per_seed"]
     assert min(summary["eval_return_per_seed"]) >= 475, summary["eval_return_per_seed"]
@@ -42,6 +35,6 @@ def test_two_devices_run_and_learn(tmp_path):
         llvm_level=1,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    summary = summary_of(tmp_path)
+    summary = summary_of_only_run(tmp_path)
     assert summary["num_devices"] == 2
     assert summary["final_return_per_seed"][0] >= 475, summary
