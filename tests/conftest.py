@@ -4,6 +4,9 @@ import tempfile
 
 import pytest
 
+from tests.helpers import LLVM_LEVEL_FLAG
+from utils.devices import xla_flags_with
+
 # Tests never talk to wandb's servers.
 os.environ.setdefault("WANDB_MODE", "disabled")
 
@@ -22,10 +25,8 @@ os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ[_CACHE_VARIABLE]
 # 18% less time than at level 1. The learning tests train for tens of seconds, where code
 # compiled at level 0 ran up to 1.8x slower; they run in subprocesses at level 1
 # (`run_script(..., llvm_level=1)`). Subprocesses otherwise inherit level 0.
-if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0"
-    )
+if LLVM_LEVEL_FLAG not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = xla_flags_with(LLVM_LEVEL_FLAG, 0)
 
 
 def pytest_configure(config):

@@ -3,7 +3,6 @@
 import csv
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,18 +10,13 @@ from pathlib import Path
 import numpy as np
 import orbax.checkpoint as ocp
 
-from utils.devices import xla_flags_with_cpu_devices
+from utils.devices import xla_flags_with, xla_flags_with_cpu_devices
 
 REPO = Path(__file__).resolve().parent.parent
 
 
+# XLA:CPU's LLVM optimisation level, 0-3 (XLA's default: 3).
 LLVM_LEVEL_FLAG = "--xla_backend_optimization_level"
-
-
-def with_llvm_level(xla_flags: str, level: int) -> str:
-    """XLA_FLAGS with XLA:CPU's LLVM optimisation level set to `level` (0-3; XLA's default 3)."""
-    kept = re.sub(rf"{LLVM_LEVEL_FLAG}=\d+", "", xla_flags).split()
-    return " ".join([*kept, f"{LLVM_LEVEL_FLAG}={level}"])
 
 
 def run_script(*args, devices=1, timeout=300, env_extra=None, llvm_level=None):
@@ -30,7 +24,7 @@ def run_script(*args, devices=1, timeout=300, env_extra=None, llvm_level=None):
     at the session's LLVM optimisation level unless `llvm_level` names another."""
     xla_flags = xla_flags_with_cpu_devices(devices)
     if llvm_level is not None:
-        xla_flags = with_llvm_level(xla_flags, llvm_level)
+        xla_flags = xla_flags_with(LLVM_LEVEL_FLAG, llvm_level, xla_flags)
     env = {**os.environ, "XLA_FLAGS": xla_flags}
     env.update(env_extra or {})
     return subprocess.run(

@@ -61,11 +61,19 @@ def unroll_threefry_on_cpu(unrolled: bool = True) -> None:
     mlir.register_lowering(threefry2x32.threefry2x32_p, rule, platform="cpu")
 
 
+def xla_flags_with(flag: str, value, flags: str | None = None) -> str:
+    """`flags` (default: this process's XLA_FLAGS) with `flag=value` in place of any value the
+    flag had, every other flag kept."""
+    if flags is None:
+        flags = os.environ.get("XLA_FLAGS", "")
+    kept = re.sub(rf"{flag}=\S+", "", flags).split()
+    return " ".join([*kept, f"{flag}={value}"])
+
+
 def xla_flags_with_cpu_devices(num_cpu_devices: int) -> str:
-    """This process's XLA_FLAGS with the CPU device count set to `num_cpu_devices`, every other
-    flag kept: the environment a process needs to start with that many CPU devices."""
-    flags = re.sub(rf"{_DEVICE_COUNT_FLAG}=\S+", "", os.environ.get("XLA_FLAGS", ""))
-    return f"{flags} {_DEVICE_COUNT_FLAG}={num_cpu_devices}".strip()
+    """This process's XLA_FLAGS with the CPU device count set to `num_cpu_devices`: the
+    environment a process needs to start with that many CPU devices."""
+    return xla_flags_with(_DEVICE_COUNT_FLAG, num_cpu_devices)
 
 
 def split_cpu_host(num_cpu_devices: int, processes: dict | None = None) -> None:
