@@ -8,11 +8,9 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-import gymnax
 import jax
 import jax.numpy as jnp
 from flax import struct
-from gymnax.environments import spaces
 
 from utils.devices import device_sum
 from utils.errors import ConfigError
@@ -35,8 +33,18 @@ GYMNAX_ALIASES = {
 }
 
 
+def _gymnax():
+    """gymnax, imported on first use: importing it loads every one of its environments and,
+    through their renderers, matplotlib and seaborn (about 4 s), which an AlphaZero run never
+    needs."""
+    import gymnax
+
+    return gymnax
+
+
 def resolve_env_id(name: str) -> str:
     """Map an alias or gymnax id (any case) to the gymnax id, or raise a ConfigError listing all."""
+    gymnax = _gymnax()
     by_lower = {env_id.lower(): env_id for env_id in gymnax.registered_envs}
     by_lower.update({alias.lower(): env_id for alias, env_id in GYMNAX_ALIASES.items()})
     try:
@@ -53,8 +61,9 @@ def env_family(env_id: str) -> str:
     """Preset family of a gymnax id: 'minatar', 'continuous' or 'classic'."""
     if env_id.endswith("-MinAtar"):
         return "minatar"
+    gymnax = _gymnax()
     env, env_params = gymnax.make(env_id)
-    if isinstance(env.action_space(env_params), spaces.Box):
+    if isinstance(env.action_space(env_params), gymnax.environments.spaces.Box):
         return "continuous"
     return "classic"
 
@@ -114,9 +123,10 @@ class EpisodeStatsWrapper:
 def make_env(name: str):
     """Build a gymnax env with episode statistics: returns (env, env_params, EnvSpec)."""
     env_id = resolve_env_id(name)
+    gymnax = _gymnax()
     env, env_params = gymnax.make(env_id)
     action_space = env.action_space(env_params)
-    discrete = isinstance(action_space, spaces.Discrete)
+    discrete = isinstance(action_space, gymnax.environments.spaces.Discrete)
     spec = EnvSpec(
         env_id=env_id,
         obs_shape=tuple(env.observation_space(env_params).shape),

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 
-import gymnax
 import jax
 import numpy as np
 
@@ -68,7 +67,8 @@ def write_episode_gif(env_id: str, policy, key, path: str) -> str | None:
     if env_id not in RENDERABLE_ENVS:
         print(f"--capture-video: gymnax has no renderer for {env_id}; no video written")
         return None
-    from gymnax.visualize import Visualizer  # matplotlib animation: imported only when used
+    import gymnax  # with its matplotlib renderers: imported only when a video is asked for
+    from gymnax.visualize import Visualizer
 
     # pygame draws the classic-control envs off screen, without a display or sound card.
     os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
