@@ -14,7 +14,7 @@ import pytest
 
 from purejaxrl_ppo import Config
 from tests.helpers import REPO, checkpoint_leaves, metric_table, run_script
-from utils.devices import process_group
+from utils.devices import process_group, xla_flags_with_cpu_devices
 from utils.errors import ConfigError
 
 
@@ -27,7 +27,8 @@ def free_port() -> int:
 def test_two_processes_train_like_one_process_with_two_devices(tiny_ppo_args, tmp_path):
     group = ["--coordinator-address", f"127.0.0.1:{free_port()}", "--num-processes", "2"]
     flags = [*tiny_ppo_args, "--cpu-devices", "1", *group]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    # One CPU device per process, at the session's LLVM level like the one-process run below.
+    env = {**os.environ, "XLA_FLAGS": xla_flags_with_cpu_devices(1)}
     # Process 0 is the command line itself; process 1 also hands back its parameters.
     commands = [
         [sys.executable, "purejaxrl_ppo.py", *flags, "--process-id", "0"],
