@@ -35,7 +35,7 @@ GYMNAX_ALIASES = {
 
 def _gymnax():
     """gymnax, imported on first use: importing it loads every one of its environments and,
-    through their renderers, matplotlib and seaborn (about 4 s), which an AlphaZero run never
+    through their renderers, matplotlib and seaborn (about 2 s), which an AlphaZero run never
     needs."""
     import gymnax
 
