@@ -20,8 +20,10 @@ class Conv3x3(nn.Module):
     - "dense" multiplies the flattened board by one [height*width*channels, height*width*
       features] matrix gathered from the kernel. On a board of at most 3x3 every output sees
       the whole board, so this is the convolution's own arithmetic in one matmul: 1.3-1.6x
-      faster than both others for a tic_tac_toe forward pass on CPU. Larger boards pay
-      height*width/9 times the arithmetic (4.7x on connect_four's 6x7): slower there.
+      faster than both others for a tic_tac_toe forward pass on CPU while a core is idle (XLA
+      then runs the one matmul on two); with every core busy, as in self-play on one device
+      per core, it was 1.1x slower than "xla". Larger boards pay height*width/9 times the
+      arithmetic (4.7x on connect_four's 6x7): slower there.
     """
 
     features: int
