@@ -1,0 +1,154 @@
+"""Golden runs: tiny fixed-seed runs of every trainer whose numbers are stored under
+tests/golden/, so that a change meant to move code and not numbers can prove it.
+
+    python -m tests.golden_runs        # re-record every run (only in a commit that says why)
+
+`tests/test_golden.py` trains the same runs and compares: bit for bit on the CPU and XLA flags
+that recorded them, within a tight tolerance elsewhere (XLA:CPU compiles for the host, and
+another processor may vectorise, and so round, differently).
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib
+import json
+import os
+import platform
+import sys
+import tempfile
+from pathlib import Path
+
+GOLDEN_DIR = Path(__file__).resolve().parent / "golden"
+RECORDED = GOLDEN_DIR / "recorded.json"
+
+_PPO = [
+    "--num-envs", "4",
+    "--num-steps", "16",
+    "--num-minibatches", "2",
+    "--update-epochs", "2",
+    "--total-timesteps", "512",
+    "--updates-per-chunk", "2",
+    "--eval-episodes", "2",
+]  # fmt: skip
+_DQN = [
+    "--env", "CartPole",
+    "--num-envs", "4",
+    "--train-frequency", "4",
+    "--total-timesteps", "512",
+    "--learning-starts", "128",
+    "--buffer-size", "256",
+    "--batch-size", "16",
+    "--target-network-frequency", "64",
+    "--n-step", "3",
+    "--hidden-sizes", "16", "16",
+    "--updates-per-chunk", "8",
+    "--eval-episodes", "2",
+]  # fmt: skip
+_AZ = [
+    "--env", "tic_tac_toe",
+    "--num-iterations", "4",
+    "--eval-every", "2",
+    "--num-games", "16",
+    "--rollout-steps", "4",
+    "--buffer-size", "128",
+    "--minibatch-size", "32",
+    "--updates-per-iteration", "2",
+    "--num-blocks", "1",
+    "--num-channels", "8",
+    "--num-simulations", "4",
+    "--max-num-considered-actions", "4",
+    "--eval-episodes", "8",
+    "--baseline-sims", "4",
+    "--cpu-devices", "0",
+]  # fmt: skip
+
+# name -> (trainer module, flags). Every run uses one device.
+RUNS = {
+    "ppo_cartpole": ("purejaxrl_ppo", ["--env", "CartPole", *_PPO]),
+    "ppo_pendulum": (
+        "purejaxrl_ppo",
+        ["--env", "Pendulum", *_PPO, "--num-steps", "32", "--total-timesteps", "1024"],
+    ),
+    "ppo_cartpole_2_seeds": ("purejaxrl_ppo", ["--env", "CartPole", *_PPO, "--num-seeds", "2"]),
+    "dqn_cartpole": ("purejaxrl_dqn", _DQN),
+    "dqn_cartpole_sweep": ("purejaxrl_dqn", [*_DQN, "--sweep", "gamma=0.9,0.99"]),
+    "az_tic_tac_toe": ("purejaxrl_az", _AZ),
+}
+# summary.json entries that the run computes (not timings or paths)
+SUMMARY_KEYS = ("final_return_per_seed", "eval_return_per_seed", "final_metrics_per_seed")
+
+
+def recording_conditions() -> dict:
+    """What decides whether a rerun must match bit for bit: the processor XLA compiles for, the
+    XLA flags and the versions."""
+    import jax
+
+    cpu = platform.processor()
+    flags = ""
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            first_cpu = f.read().split("\n\n")[0].splitlines()
+        info = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in first_cpu)}
+        cpu = info.get("model name", cpu)
+        flags = " ".join(sorted(info.get("flags", "").split()))
+    return {
+        "cpu": cpu,
+        "cpu_flags": flags,
+        "machine": platform.machine(),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "jax": jax.__version__,
+        "device_count": jax.local_device_count(),
+    }
+
+
+def train(name: str, runs_dir: str) -> tuple[dict, dict]:
+    """Train golden run `name` in this process: (summary, metrics.csv columns as text lists)."""
+    from utils.cli import parse_config
+    from utils.driver import run_training
+
+    module_name, flags = RUNS[name]
+    module = importlib.import_module(module_name)
+    extra = {"preset_key": module.resolve_game} if module_name == "purejaxrl_az" else {}
+    args = [*flags, "--no-progress", "--runs-dir", runs_dir]
+    run_dir = run_training(
+        parse_config(module.Config, module.PRESETS, args, **extra), module.make_train
+    )["run_dir"]
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        summary = json.load(f)
+    return summary, read_columns(os.path.join(run_dir, "metrics.csv"))
+
+
+def read_columns(path) -> dict[str, list[str]]:
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    return {name: [row[i] for row in rows[1:]] for i, name in enumerate(rows[0])}
+
+
+def record() -> None:
+    """Train every golden run and store its metrics.csv and summary numbers."""
+    from utils.logs import write_json
+
+    GOLDEN_DIR.mkdir(exist_ok=True)
+    runs = {}
+    with tempfile.TemporaryDirectory() as runs_dir:
+        for name in RUNS:
+            summary, _ = train(name, runs_dir)
+            os.replace(os.path.join(summary["run_dir"], "metrics.csv"), GOLDEN_DIR / f"{name}.csv")
+            runs[name] = {
+                "flags": RUNS[name][1],
+                **{key: summary[key] for key in SUMMARY_KEYS},
+            }
+            print(f"recorded {name}")
+    write_json(str(RECORDED), {"conditions": recording_conditions(), "runs": runs})
+
+
+if __name__ == "__main__":
+    # The test session's conditions (tests/conftest.py): LLVM level 0, JAX's one CPU device.
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from tests.helpers import LLVM_LEVEL_FLAG
+    from utils.devices import xla_flags_with
+
+    os.environ["XLA_FLAGS"] = xla_flags_with(LLVM_LEVEL_FLAG, 0)
+    os.environ.setdefault("WANDB_MODE", "disabled")
+    record()
