@@ -40,10 +40,10 @@ import pgx
 
 from utils.cli import RunConfig, exit_on_config_error, parse_config, require_positive
 from utils.devices import DEVICE_AXIS, device_mean, device_sum
-from utils.driver import Trainer, run_training
+from utils.driver import run_training
 from utils.errors import ConfigError
 from utils.layers import Conv3x3
-from utils.sweep import num_configs
+from utils.trainer import Runtime, Trainer, hyperparams_of
 
 
 @dataclasses.dataclass
@@ -596,8 +596,9 @@ class TrainState(NamedTuple):
     iteration: jax.Array  # int32
 
 
-def make_train(config: Config) -> Trainer:
-    game = resolve_game(config.env)
+def validate(config: Config, runtime: Runtime) -> None:
+    """ConfigError for a config that cannot train; cheap enough to run per sweep configuration."""
+    resolve_game(config.env)
     require_positive(
         config,
         "num_iterations",
@@ -626,7 +627,7 @@ def make_train(config: Config) -> Trainer:
             f"--eval-every ({config.eval_every}) iterations long, each ending in an evaluation; "
             "set --eval-every instead"
         )
-    num_devices = config.num_devices
+    num_devices = runtime.num_devices
     for name in ("num_games", "minibatch_size"):
         if getattr(config, name) % num_devices:
             raise ConfigError(
@@ -638,7 +639,7 @@ def make_train(config: Config) -> Trainer:
             f"--eval-episodes {config.eval_episodes} must split evenly into both seats on "
             f"{num_devices} device(s): use a multiple of {2 * num_devices}"
         )
-    buffer_rows = config.buffer_size // config.num_games  # moves kept of each game slot
+    buffer_rows = config.buffer_size // config.num_games
     if buffer_rows < config.rollout_steps:
         raise ConfigError(
             f"--buffer-size {config.buffer_size} keeps only {buffer_rows} moves of each of the "
@@ -646,6 +647,14 @@ def make_train(config: Config) -> Trainer:
             f"{config.rollout_steps}"
         )
 
+
+def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
+    """Build the pure training functions of a valid config (nothing is compiled here); without
+    a runtime, for one run on one device."""
+    runtime = runtime or Runtime()
+    game = resolve_game(config.env)
+    num_devices = runtime.num_devices
+    buffer_rows = config.buffer_size // config.num_games  # moves kept of each game slot
     env = pgx.make(game)
     num_actions = env.num_actions
     games_per_device = config.num_games // num_devices
@@ -663,7 +672,7 @@ def make_train(config: Config) -> Trainer:
     # of it with vmapped seeds or sweep configurations, the matmul form (XLA's convolution
     # gradient in a loop: ~30x slower).
     small_board = max(env.observation_shape[:2]) <= 3
-    one_run = config.num_seeds * num_configs(config.sweep) == 1
+    one_run = runtime.num_runs == 1
     network = ResNet(
         num_actions,
         config.num_blocks,
@@ -700,8 +709,6 @@ def make_train(config: Config) -> Trainer:
 
     def new_games(key, num_games: int):
         return jax.vmap(env.init)(jax.random.split(key, num_games))
-
-    hyperparams = HyperParams(*(np.float32(getattr(config, f)) for f in HyperParams._fields))
 
     def init(key, hp: HyperParams) -> TrainState:
         params_key, run_key = jax.random.split(key)
@@ -1024,10 +1031,11 @@ def make_train(config: Config) -> Trainer:
         env_id=game,
         num_updates=config.num_iterations,
         steps_per_update=config.num_games * config.rollout_steps,
-        hyperparams=hyperparams,
+        hyperparams=hyperparams_of(HyperParams, config),
         init=init,
         train_chunk=train_chunk,
         evaluate=None,
+        runtime=runtime,
         headline_metric="eval_mcts_score",
         step_unit="moves",
         updates_per_chunk=config.eval_every,
@@ -1039,4 +1047,4 @@ def make_train(config: Config) -> Trainer:
 
 if __name__ == "__main__":
     with exit_on_config_error():
-        run_training(parse_config(Config, PRESETS, preset_key=resolve_game), make_train)
+        run_training(parse_config(Config, PRESETS, preset_key=resolve_game), make_train, validate)

@@ -24,16 +24,16 @@ from typing import Literal, NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from utils.cli import RunConfig, exit_on_config_error, parse_config, require_positive
 from utils.devices import DEVICE_AXIS, device_mean
-from utils.driver import Trainer, run_training
-from utils.envs import env_family, episode_metrics, make_env
+from utils.driver import run_training
+from utils.envs import env_family, env_spec, episode_metrics, make_env
 from utils.errors import ConfigError
 from utils.evaluation import evaluate_policy
 from utils.layers import Conv3x3
+from utils.trainer import Runtime, Trainer, hyperparams_of
 
 
 @dataclasses.dataclass
@@ -139,9 +139,6 @@ class HyperParams(NamedTuple):
     target_network_frequency: jax.Array  # int32
 
 
-INTEGER_HYPERPARAMS = ("learning_starts", "target_network_frequency")
-
-
 # ---------------------------------------------------------------------------------------------
 # Network
 # ---------------------------------------------------------------------------------------------
@@ -189,12 +186,15 @@ def linear_epsilon(step, start_e, end_e, duration):
 
 
 class Transition(NamedTuple):
-    obs: jax.Array
-    action: jax.Array
-    reward: jax.Array
-    terminated: jax.Array
-    truncated: jax.Array
-    next_obs: jax.Array  # the observation the step led to, before any automatic reset
+    """One step of every environment: leaves [E, ...] as stepped, [rows, E, ...] in the buffer
+    and [B, n, ...] in a sampled batch of n-step windows."""
+
+    obs: jax.Array  # [E, *obs_shape] the observation acted on (uint8 for MinAtar)
+    action: jax.Array  # [E] int32
+    reward: jax.Array  # [E]
+    terminated: jax.Array  # [E] 1.0 where the episode ended in a terminal state
+    truncated: jax.Array  # [E] 1.0 where a time limit cut the episode off
+    next_obs: jax.Array  # [E, *obs_shape] the observation the step led to, before any reset
 
 
 # A circular buffer written here rather than taken from flashbax: thirty readable lines, no
@@ -289,21 +289,25 @@ def td_loss(q_taken, targets, loss: str):
 # ---------------------------------------------------------------------------------------------
 
 
+# Shapes: the training functions below see one seed on one device, where E = num_envs /
+# devices environments step side by side and B = batch_size / devices windows are sampled.
+
+
 class TrainState(NamedTuple):
-    params: dict
+    params: dict  # the online Q-network's parameters, the same on every device
     target_params: dict
     opt_state: optax.OptState
-    hparams: HyperParams
-    buffer: ReplayBuffer  # this device's environments only
-    env_state: object
-    obs: jax.Array
+    hparams: HyperParams  # scalars: this run's swept values
+    buffer: ReplayBuffer  # leaves [buffer_size / num_envs, E, ...]: this device's envs only
+    env_state: object  # leaves [E, ...]
+    obs: jax.Array  # [E, *obs_shape] float32, the observation of the next step
     key: jax.Array
-    timesteps: jax.Array  # env steps of this seed so far, all devices together
+    timesteps: jax.Array  # int32: env steps of this seed so far, all devices together
 
 
-def make_train(config: Config) -> Trainer:
-    """Check the config and build the pure training functions (nothing is compiled here)."""
-    env, env_params, spec = make_env(config.env)
+def validate(config: Config, runtime: Runtime) -> None:
+    """ConfigError for a config that cannot train; cheap enough to run per sweep configuration."""
+    spec = env_spec(config.env)
     if not spec.discrete:
         raise ConfigError(
             f"DQN needs a discrete action space; {spec.env_id} has continuous actions"
@@ -343,16 +347,16 @@ def make_train(config: Config) -> Trainer:
             f"{config.learning_starts}"
         )
     for name in ("num_envs", "batch_size"):
-        if getattr(config, name) % config.num_devices:
+        if getattr(config, name) % runtime.num_devices:
             raise ConfigError(
                 f"--{name.replace('_', '-')} {getattr(config, name)} is not divisible by the "
-                f"{config.num_devices} devices"
+                f"{runtime.num_devices} devices"
             )
     if config.buffer_size < config.batch_size:
         raise ConfigError(
             f"--buffer-size {config.buffer_size} is smaller than --batch-size {config.batch_size}"
         )
-    buffer_rows = config.buffer_size // config.num_envs  # time steps kept of each environment
+    buffer_rows = config.buffer_size // config.num_envs
     if buffer_rows < max(config.train_frequency, config.n_step):
         raise ConfigError(
             f"--buffer-size {config.buffer_size} keeps only {buffer_rows} steps of each of the "
@@ -371,8 +375,18 @@ def make_train(config: Config) -> Trainer:
             f"--learning-starts {config.learning_starts} leaves no gradient step within the "
             f"{num_updates * steps_per_update} env steps of --total-timesteps"
         )
-    envs_per_device = config.num_envs // config.num_devices
-    batch_per_device = config.batch_size // config.num_devices
+
+
+def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
+    """Build the pure training functions of a valid config (nothing is compiled here); without
+    a runtime, for one run on one device."""
+    runtime = runtime or Runtime()
+    env, env_params, spec = make_env(config.env)
+    buffer_rows = config.buffer_size // config.num_envs  # time steps kept of each environment
+    steps_per_update = config.num_envs * config.train_frequency
+    num_updates = config.total_timesteps // steps_per_update
+    envs_per_device = config.num_envs // runtime.num_devices
+    batch_per_device = config.batch_size // runtime.num_devices
     # MinAtar observations are 0/1 channels: as uint8 the buffer (and every checkpoint of it)
     # takes a quarter of the memory. The network casts back to float32.
     obs_dtype = jnp.uint8 if env_family(spec.env_id) == "minatar" else jnp.float32
@@ -385,13 +399,6 @@ def make_train(config: Config) -> Trainer:
         # An infinite threshold never clips, so clipping can be switched off inside the program.
         max_norm = jnp.where(hp.max_grad_norm > 0, hp.max_grad_norm, jnp.inf)
         return optax.chain(optax.clip_by_global_norm(max_norm), optax.adam(hp.learning_rate))
-
-    hyperparams = HyperParams(
-        *(
-            np.asarray(getattr(config, f), np.int32 if f in INTEGER_HYPERPARAMS else np.float32)
-            for f in HyperParams._fields
-        )
-    )
 
     def init(key, hp: HyperParams) -> TrainState:
         params_key, run_key = jax.random.split(key)
@@ -536,14 +543,15 @@ def make_train(config: Config) -> Trainer:
         env_id=spec.env_id,
         num_updates=num_updates,
         steps_per_update=steps_per_update,
-        hyperparams=hyperparams,
+        hyperparams=hyperparams_of(HyperParams, config),
         init=init,
         train_chunk=train_chunk,
         evaluate=evaluate,
+        runtime=runtime,
         greedy_policy=greedy_policy,
     )
 
 
 if __name__ == "__main__":
     with exit_on_config_error():
-        run_training(parse_config(Config, PRESETS), make_train)
+        run_training(parse_config(Config, PRESETS), make_train, validate)

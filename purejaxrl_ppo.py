@@ -21,11 +21,12 @@ import optax
 
 from utils.cli import RunConfig, exit_on_config_error, parse_config, require_positive
 from utils.devices import DEVICE_AXIS, device_mean
-from utils.driver import Trainer, run_training
-from utils.envs import episode_metrics, make_env
+from utils.driver import run_training
+from utils.envs import env_spec, episode_metrics, make_env
 from utils.errors import ConfigError
 from utils.evaluation import evaluate_policy
 from utils.layers import Conv3x3
+from utils.trainer import Runtime, Trainer, hyperparams_of
 
 
 @dataclasses.dataclass
@@ -255,7 +256,17 @@ class LossInfo(NamedTuple):
 
 
 def ppo_loss(
-    log_prob, entropy, value, old_log_prob, old_value, advantages, targets, hp, norm_adv, clip_vloss
+    log_prob,
+    entropy,
+    value,
+    old_log_prob,
+    old_value,
+    advantages,
+    targets,
+    *,
+    hp: HyperParams,
+    norm_adv: bool,
+    clip_vloss: bool,
 ):
     """Clipped-surrogate PPO loss on one minibatch (all arrays [B]); returns (loss, LossInfo)."""
     log_ratio = log_prob - old_log_prob
@@ -288,31 +299,37 @@ def ppo_loss(
 # ---------------------------------------------------------------------------------------------
 
 
+# Shapes: every function below sees one seed on one device, where E = num_envs / devices
+# environments step side by side and T = num_steps; a rollout's leaves are [T, E, ...].
+
+
 class Transition(NamedTuple):
-    obs: jax.Array
-    action: jax.Array
-    log_prob: jax.Array
-    value: jax.Array
-    reward: jax.Array
-    terminated: jax.Array
-    truncated: jax.Array
-    final_obs: jax.Array  # observation the step ended in, before any automatic reset
-    episode_return: jax.Array  # return of the episode that ended here (where done)
-    episode_length: jax.Array
+    """One step of every environment; stacked by the rollout's scan into [T, E, ...]."""
+
+    obs: jax.Array  # [E, *obs_shape] the observation acted on
+    action: jax.Array  # [E] int (discrete) or [E, action_dim] float (continuous)
+    log_prob: jax.Array  # [E] of the action under the acting policy
+    value: jax.Array  # [E] critic's value of obs
+    reward: jax.Array  # [E]
+    terminated: jax.Array  # [E] 1.0 where the episode ended in a terminal state
+    truncated: jax.Array  # [E] 1.0 where a time limit cut the episode off
+    final_obs: jax.Array  # [E, *obs_shape] observation the step ended in, before any reset
+    episode_return: jax.Array  # [E] return of the episode that ended here (where done)
+    episode_length: jax.Array  # [E]
 
 
 class RunnerState(NamedTuple):
-    params: dict
+    params: dict  # the actor-critic's parameters, the same on every device
     opt_state: optax.OptState
-    hparams: HyperParams
-    env_state: object
-    obs: jax.Array
+    hparams: HyperParams  # scalars: this run's swept values
+    env_state: object  # leaves [E, ...]
+    obs: jax.Array  # [E, *obs_shape] the observation of the next step
     key: jax.Array
 
 
-def make_train(config: Config) -> Trainer:
-    """Check the config and build the pure training functions (nothing is compiled here)."""
-    env, env_params, spec = make_env(config.env)
+def validate(config: Config, runtime: Runtime) -> None:
+    """ConfigError for a config that cannot train; cheap enough to run per sweep configuration."""
+    spec = env_spec(config.env)
     require_positive(
         config,
         "total_timesteps",
@@ -322,31 +339,40 @@ def make_train(config: Config) -> Trainer:
         "update_epochs",
         "hidden_size",
     )
-    if config.num_envs % config.num_devices:
+    if config.num_envs % runtime.num_devices:
         raise ConfigError(
-            f"--num-envs {config.num_envs} is not divisible by the {config.num_devices} devices"
+            f"--num-envs {config.num_envs} is not divisible by the {runtime.num_devices} devices"
         )
-    envs_per_device = config.num_envs // config.num_devices
-    batch_size = envs_per_device * config.num_steps  # per device
+    envs_per_device = config.num_envs // runtime.num_devices
+    batch_size = envs_per_device * config.num_steps
     if batch_size % config.num_minibatches:
         raise ConfigError(
             f"the rollout batch per device ({envs_per_device} envs x {config.num_steps} steps = "
             f"{batch_size}) is not divisible by --num-minibatches {config.num_minibatches}"
         )
     steps_per_update = config.num_envs * config.num_steps
-    num_updates = config.total_timesteps // steps_per_update
-    if num_updates < 1:
+    if config.total_timesteps < steps_per_update:
         raise ConfigError(
             f"--total-timesteps {config.total_timesteps} is less than one update "
             f"(--num-envs x --num-steps = {steps_per_update})"
         )
-    minibatch_size = batch_size // config.num_minibatches
-    num_optimizer_steps = num_updates * config.update_epochs * config.num_minibatches
-
     if config.torso == "cnn" and len(spec.obs_shape) != 3:
         raise ConfigError(
             f"--torso cnn needs image observations; {spec.env_id} has shape {spec.obs_shape}"
         )
+
+
+def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
+    """Build the pure training functions of a valid config (nothing is compiled here); without
+    a runtime, for one run on one device."""
+    runtime = runtime or Runtime()
+    env, env_params, spec = make_env(config.env)
+    envs_per_device = config.num_envs // runtime.num_devices
+    batch_size = envs_per_device * config.num_steps  # per device
+    steps_per_update = config.num_envs * config.num_steps
+    num_updates = config.total_timesteps // steps_per_update
+    minibatch_size = batch_size // config.num_minibatches
+    num_optimizer_steps = num_updates * config.update_epochs * config.num_minibatches
     network = ActorCritic(
         spec.num_actions,
         spec.discrete,
@@ -369,8 +395,6 @@ def make_train(config: Config) -> Trainer:
         return optax.chain(
             optax.clip_by_global_norm(hp.max_grad_norm), optax.adam(learning_rate, eps=1e-5)
         )
-
-    hyperparams = HyperParams(*(np.float32(getattr(config, f)) for f in HyperParams._fields))
 
     def init(key, hp: HyperParams) -> RunnerState:
         init_key, env_key = jax.random.split(key)
@@ -443,9 +467,9 @@ def make_train(config: Config) -> Trainer:
                         mb_traj.value,
                         mb_advantages,
                         mb_targets,
-                        hp,
-                        config.norm_adv,
-                        config.clip_vloss,
+                        hp=hp,
+                        norm_adv=config.norm_adv,
+                        clip_vloss=config.clip_vloss,
                     )
 
                 grads, info = jax.grad(_loss, has_aux=True)(params)
@@ -456,12 +480,13 @@ def make_train(config: Config) -> Trainer:
             params, opt_state, key = carry
             key, permutation_key = jax.random.split(key)
             permutation = jax.random.permutation(permutation_key, batch_size)
-            batch = (traj, advantages, targets)
+            # The rollout as one batch of T x E steps, shuffled into [num_minibatches, M, ...].
+            b_rollout = (traj, advantages, targets)
             minibatches = jax.tree.map(
                 lambda x: x.reshape(batch_size, *x.shape[2:])[permutation].reshape(
                     config.num_minibatches, minibatch_size, *x.shape[2:]
                 ),
-                batch,
+                b_rollout,
             )
             (params, opt_state), info = jax.lax.scan(
                 _update_minibatch, (params, opt_state), minibatches
@@ -509,14 +534,15 @@ def make_train(config: Config) -> Trainer:
         env_id=spec.env_id,
         num_updates=num_updates,
         steps_per_update=steps_per_update,
-        hyperparams=hyperparams,
+        hyperparams=hyperparams_of(HyperParams, config),
         init=init,
         train_chunk=train_chunk,
         evaluate=evaluate,
+        runtime=runtime,
         greedy_policy=greedy_policy,
     )
 
 
 if __name__ == "__main__":
     with exit_on_config_error():
-        run_training(parse_config(Config, PRESETS), make_train)
+        run_training(parse_config(Config, PRESETS), make_train, validate)

@@ -176,7 +176,7 @@ def ours_moves_per_second(args: Args, game: str, num_games: str, runs_dir: str):
     config = parse_config(
         purejaxrl_az.Config, purejaxrl_az.PRESETS, cli, preset_key=purejaxrl_az.resolve_game
     )
-    summary = run_training(config, purejaxrl_az.make_train)
+    summary = run_training(config, purejaxrl_az.make_train, purejaxrl_az.validate)
     return summary["steps_per_second"], summary["compile_seconds"]
 
 

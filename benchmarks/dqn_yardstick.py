@@ -185,7 +185,7 @@ def ours_steps_per_second(args: Args, runs_dir: str, extra: list[str]) -> tuple[
     cli = ["--env", args.env, "--total-timesteps", str(args.total_timesteps), *extra]
     cli += ["--runs-dir", runs_dir, "--eval-episodes", "0", "--no-progress"]
     config = parse_config(purejaxrl_dqn.Config, purejaxrl_dqn.PRESETS, cli)
-    summary = run_training(config, purejaxrl_dqn.make_train)
+    summary = run_training(config, purejaxrl_dqn.make_train, purejaxrl_dqn.validate)
     return summary["steps_per_second"], summary["compile_seconds"]
 
 

@@ -98,7 +98,7 @@ def main(args: Args) -> dict:
             else:
                 cli += ["--eval-episodes", "0"]
                 config = parse_config(trainer.Config, trainer.PRESETS, cli)
-            summary = run_training(config, trainer.make_train)
+            summary = run_training(config, trainer.make_train, trainer.validate)
             results["runs"][name] = {
                 "flags": flags,
                 "unit": summary["step_unit"],

@@ -93,7 +93,7 @@ def main(args: Args) -> list[dict]:
             cli += extra[0].split() if extra else []
             cli += ["--eval-episodes", "0"] + ([] if args.progress else ["--no-progress"])
             config = parse_config(trainer.Config, trainer.PRESETS, cli)
-            summary = run_training(config, trainer.make_train)
+            summary = run_training(config, trainer.make_train, trainer.validate)
             # every run (seed x sweep configuration) steps its own batch of environments
             num_runs = config.num_seeds * num_configs(config.sweep)
             limit = random_policy_steps_per_second(

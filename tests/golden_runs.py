@@ -112,7 +112,9 @@ def train(name: str, runs_dir: str) -> tuple[dict, dict]:
     extra = {"preset_key": module.resolve_game} if module_name == "purejaxrl_az" else {}
     args = [*flags, "--no-progress", "--runs-dir", runs_dir]
     run_dir = run_training(
-        parse_config(module.Config, module.PRESETS, args, **extra), module.make_train
+        parse_config(module.Config, module.PRESETS, args, **extra),
+        module.make_train,
+        module.validate,
     )["run_dir"]
     with open(os.path.join(run_dir, "summary.json")) as f:
         summary = json.load(f)

@@ -25,18 +25,19 @@ from purejaxrl_az import (
     buffer_update_targets,
     elo_estimate,
     make_recurrent_fn,
-    make_train,
     masked_logits,
     random_rollout_value,
     resolve_game,
     run_search,
     solve_tic_tac_toe,
     tic_tac_toe_index,
+    validate,
     value_targets,
 )
 from tests.helpers import assert_identical_runs, checkpoint_leaves, run_script
 from utils.cli import parse_config
 from utils.errors import ConfigError
+from utils.trainer import Runtime
 
 
 def reference_value_targets(reward, terminated, truncated, value, written, lam, outcome):
@@ -519,9 +520,8 @@ def test_presets_help_and_game_names():
 def test_bad_flags_raise_config_error(tmp_path, flags, match):
     args = tiny_args(tmp_path)[1:] + flags
     config = parse_config(Config, PRESETS, args, preset_key=resolve_game)
-    config.num_devices = 1
     with pytest.raises(ConfigError, match=match):
-        make_train(config)
+        validate(config, Runtime())
 
 
 def test_bad_game_exits_2_before_compiling(tmp_path):

@@ -23,6 +23,7 @@ from purejaxrl_dqn import (
     make_train,
     n_step_return,
     td_targets,
+    validate,
 )
 from tests.helpers import (
     assert_identical_runs,
@@ -35,6 +36,7 @@ from utils.cli import parse_config
 from utils.devices import DEVICE_AXIS
 from utils.driver import run_training
 from utils.errors import ConfigError
+from utils.trainer import Runtime
 
 
 def tiny_args(runs_dir):
@@ -64,7 +66,7 @@ def tiny_dqn_args(tmp_path):
 
 
 def train(args):
-    return run_training(parse_config(Config, PRESETS, args), make_train)
+    return run_training(parse_config(Config, PRESETS, args), make_train, validate)
 
 
 def checkpoint_state(run_dir):
@@ -438,9 +440,9 @@ def test_bad_flags_raise_config_error(tiny_dqn_args, flags, match):
 
 def test_sizes_not_divisible_by_devices():
     with pytest.raises(ConfigError, match="--num-envs 3 is not divisible by the 2 devices"):
-        make_train(Config(num_envs=3, num_devices=2))
+        validate(Config(num_envs=3), Runtime(num_devices=2))
     with pytest.raises(ConfigError, match="--batch-size 127 is not divisible by the 2 devices"):
-        make_train(Config(batch_size=127, num_devices=2))
+        validate(Config(batch_size=127), Runtime(num_devices=2))
 
 
 # ---------------------------------------------------------------------------------------------

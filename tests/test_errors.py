@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from purejaxrl_ppo import PRESETS, Config, make_train
+from purejaxrl_ppo import PRESETS, Config, make_train, validate
 from tests.helpers import run_script
 from utils.cli import parse_config
 from utils.driver import run_training
@@ -13,7 +13,7 @@ from utils.errors import ConfigError
 
 def expect_config_error(args, match):
     with pytest.raises(ConfigError, match=match):
-        run_training(parse_config(Config, PRESETS, args), make_train)
+        run_training(parse_config(Config, PRESETS, args), make_train, validate)
 
 
 def test_unknown_env_exits_2_with_the_valid_names():
@@ -62,7 +62,7 @@ def test_resume_of_a_missing_directory(tmp_path):
 
 
 def test_resume_with_a_conflicting_flag_leaves_the_run_untouched(tiny_ppo_args):
-    summary = run_training(parse_config(Config, PRESETS, tiny_ppo_args), make_train)
+    summary = run_training(parse_config(Config, PRESETS, tiny_ppo_args), make_train, validate)
     run_dir = summary["run_dir"]
 
     def snapshot():

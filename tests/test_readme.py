@@ -1,7 +1,6 @@
 """The README's commands keep working: the Run examples parse and build (no compile), and the
 "Make it yours" guide, followed step by step on a copy of the repository, trains and tests."""
 
-import dataclasses
 import importlib
 import re
 import shlex
@@ -17,6 +16,7 @@ from tests.helpers import REPO, run_script
 from utils.cli import parse_config
 from utils.devices import process_group
 from utils.sweep import sweep_configs
+from utils.trainer import Runtime
 
 README = (REPO / "README.md").read_text()
 
@@ -61,7 +61,8 @@ def test_run_section_commands_parse_and_build(argv):
     module = importlib.import_module(script.removesuffix(".py"))
     extra = {"preset_key": purejaxrl_az.resolve_game} if module is purejaxrl_az else {}
     config = parse_config(module.Config, module.PRESETS, args, **extra)
-    trainer = module.make_train(dataclasses.replace(config, num_devices=1))
+    module.validate(config, Runtime())
+    trainer = module.make_train(config)
     assert trainer.num_updates >= 1
     assert sweep_configs(config, trainer.hyperparams._fields)
 

@@ -20,7 +20,9 @@ from utils.sweep import config_label, num_configs, sweep_configs
 
 def ppo(args):
     return run_training(
-        parse_config(purejaxrl_ppo.Config, purejaxrl_ppo.PRESETS, args), purejaxrl_ppo.make_train
+        parse_config(purejaxrl_ppo.Config, purejaxrl_ppo.PRESETS, args),
+        purejaxrl_ppo.make_train,
+        purejaxrl_ppo.validate,
     )
 
 
@@ -54,7 +56,7 @@ def test_bad_sweeps_are_refused_before_compiling(tmp_path, sweep, message):
     args = [*tiny_dqn_args(tmp_path), "--sweep", *sweep]
     config = parse_config(purejaxrl_dqn.Config, purejaxrl_dqn.PRESETS, args)
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
-        run_training(config, purejaxrl_dqn.make_train)
+        run_training(config, purejaxrl_dqn.make_train, purejaxrl_dqn.validate)
     assert not os.path.exists(tmp_path / "runs")  # nothing written
 
 

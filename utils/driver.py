@@ -1,10 +1,16 @@
 """The training driver every trainer shares: compiled chunks, logs, checkpoints, summary.
 
-A trainer script builds a `Trainer` (pure functions) and hands it to `run_training`. The
-driver runs `train_chunk` (a `lax.scan` over updates) under `pmap(vmap(...))`: devices on
-the outer axis, seeds on the inner one. Between chunks, and only there, it touches the host:
-metrics.csv, wandb, the progress bar and an atomic checkpoint. With a single chunk the whole
-run is exactly one scan.
+`run_training(config, make_train, validate)` runs a trainer script's functions under the
+contract of utils/trainer.py, in four stages that read top to bottom:
+
+1. `plan_runs`: flags checked, devices resolved, trainer built, sweep and seeds laid out, run
+   directory created.
+2. `start_or_resume`: the initial state on the devices, or the latest checkpoint.
+3. `train_in_chunks`: `train_chunk` (a `lax.scan` over updates) under `pmap(vmap(...))`,
+   devices on the outer axis, runs on the inner one. Between chunks, and only there, the host
+   writes metrics.csv, wandb, the progress bar and an atomic checkpoint. With a single chunk
+   the whole run is exactly one scan.
+4. `report`: evaluation, video, summary.json, the learning curve and the one-line result.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -32,49 +39,19 @@ from utils.devices import (
 from utils.errors import ConfigError
 from utils.logs import MetricsCsv, WandbSink, read_metrics_csv, write_json
 from utils.plotting import plot_learning_curve
-from utils.sweep import config_label, sweep_configs
+from utils.sweep import config_label, num_configs, sweep_configs
+from utils.trainer import (
+    Runtime,
+    Trainer,
+    build_trainer,
+    check_chunk_metrics,
+    hyperparams_of,
+)
 from utils.video import write_episode_gif
 
 CHUNKS_PER_RUN = 25  # automatic chunking aims at about this many progress/checkpoint points
 # every process of a multi-process run meets here once process 0 has written its report
 _REPORTED_BARRIER = "purejaxrl run reported"
-
-
-@dataclasses.dataclass(frozen=True)
-class Trainer:
-    """What `make_train(config)` returns. Every function is pure and runs under the driver's
-    `pmap(vmap(f), axis_name=DEVICE_AXIS)`, so it sees one seed on one device. Metrics must
-    already be reduced over DEVICE_AXIS (psum/pmean): the driver logs device 0's copy, and it
-    reads `metrics[headline_metric]` for the progress bar and the summary. NaN in a metric
-    means "nothing to report at this update" (no episode ended, no evaluation ran)."""
-
-    algo: str
-    env_id: str
-    num_updates: int
-    steps_per_update: int  # env steps (or moves) of one seed per update, all devices together
-    # the trainer's HyperParams from the config: the values that change no array shape, which
-    # init puts into the state, so that --sweep can vary them inside one program
-    hyperparams: tuple
-    init: Callable  # (key, hyperparams) -> state
-    train_chunk: Callable  # (state, num_updates) -> (state, {metric: [num_updates]})
-    # (state, key) -> episode returns [eval_episodes], called unpmapped after training; None when
-    # the trainer evaluates inside its chunks instead.
-    evaluate: Callable | None
-    # (state) -> (obs batch -> action batch), the greedy policy that --capture-video films
-    greedy_policy: Callable | None = None
-    # (run_dir, update, records) -> written files: with --capture-video, chunk outputs named
-    # "record_*" are taken out of the metrics and handed to this host function
-    write_records: Callable | None = None
-    headline_metric: str = "episode_return"  # the progress bar's number and the final return
-    step_unit: str = "steps"  # what steps_per_update counts, for the reports
-    updates_per_chunk: int | None = None  # a chunk length the algorithm needs (None: free)
-    # lower jax.random's threefry hash unrolled on CPU (utils/devices.py): faster where small
-    # updates draw random numbers often, slower for AlphaZero's self-play
-    unrolled_threefry: bool = True
-
-    def train(self, key):
-        """The whole run as one scan over updates: (final state, metrics [num_updates])."""
-        return self.train_chunk(self.init(key, self.hyperparams), self.num_updates)
 
 
 def auto_updates_per_chunk(num_updates: int) -> int:
@@ -215,135 +192,192 @@ def _sweep_ranking(overrides: list[dict], finals: list[float], evals: list[float
     )
 
 
-def run_training(config, make_train: Callable[..., Trainer], return_state: bool = False):
-    """Validate, build, train in chunks, evaluate and report. Returns the summary dict (None on
-    the processes other than 0 of a multi-process run), and with `return_state` also this
-    process's final training state, leaves [local devices, runs, ...]."""
-    wall_start = time.perf_counter()
+# ---------------------------------------------------------------------------------------------
+# The run, in four stages: plan -> start or resume -> chunks -> report
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    """Everything decided before the first array is made: the runs side by side (sweep
+    configurations x seeds, configuration-major), the devices and where outputs go."""
+
+    config: Any  # as parsed; never mutated
+    trainer: Trainer
+    overrides: list[dict]  # {field: value} of each sweep configuration; [{}] without a sweep
+    run_seed: np.ndarray  # [runs] seed index of each run
+    run_config: np.ndarray  # [runs] sweep configuration of each run
+    run_keys: np.ndarray  # [runs, 2] PRNG key of each run: seed + its seed index
+    run_hyperparams: Any  # HyperParams, leaves [runs]
+    run_columns: dict  # metrics.csv columns that name a run, one list entry per run
+    local_devices: int  # the pmapped axis of this process
+    multi_process: bool
+    is_main: bool  # process 0, the only one that writes
+    run_dir: str | None  # None on the other processes
+    chunk_len: int
+
+    @property
+    def num_runs(self) -> int:
+        return len(self.run_seed)
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return os.path.join(self.run_dir, "checkpoints")
+
+    @property
+    def csv_path(self) -> str:
+        return os.path.join(self.run_dir, "metrics.csv")
+
+
+@dataclasses.dataclass
+class _Clock:
+    """Seconds spent so far, including those of the run before a resume (`previous`)."""
+
+    wall_start: float
+    compile_seconds: float = 0.0
+    train_seconds: float = 0.0
+    previous: dict = dataclasses.field(
+        default_factory=lambda: {"train_seconds": 0.0, "compile_seconds": 0.0, "wall_seconds": 0.0}
+    )
+
+    def totals(self, update: int) -> dict:
+        """The checkpoint's meta: the update and the run's seconds so far."""
+        return {
+            "update": update,
+            "train_seconds": self.previous["train_seconds"] + self.train_seconds,
+            "compile_seconds": self.previous["compile_seconds"] + self.compile_seconds,
+            "wall_seconds": self.previous["wall_seconds"] + time.perf_counter() - self.wall_start,
+        }
+
+
+def plan_runs(config, make_train: Callable, validate: Callable) -> RunPlan:
+    """Check the flags, resolve the devices, build the trainer, lay out the sweep and seeds, and
+    (process 0, new runs) create the run directory. Raises ConfigError before writing anything."""
     check_run_config(config)
-    # may restart the process, so before anything is written
-    split_cpu_host(config.cpu_devices, process_group(config))
+    split_cpu_host(config.cpu_devices, process_group(config))  # may restart the process
     multi_process, is_main = jax.process_count() > 1, jax.process_index() == 0
     if multi_process and config.resume is not None:
         raise ConfigError(
             "--resume of a multi-process run is not supported: its checkpoint holds process "
             "0's environments only"
         )
-    config = dataclasses.replace(config, num_devices=resolve_num_devices(config.num_devices))
-    trainer = make_train(config)  # raises ConfigError for bad algorithm flags, before compiling
-    unroll_threefry_on_cpu(trainer.unrolled_threefry)  # before anything is lowered
-    num_devices, num_seeds = config.num_devices, config.num_seeds
-    local_devices = num_devices // jax.process_count()  # the pmapped axis of this process
-
-    # The runs side by side: sweep configurations x seeds, configuration-major. Each
-    # configuration goes through make_train too, so its values get the trainer's own checks.
+    runtime = Runtime(
+        num_devices=resolve_num_devices(config.num_devices),
+        num_runs=config.num_seeds * num_configs(config.sweep),
+        backend=jax.default_backend(),
+    )
+    validate(config, runtime)
+    trainer = build_trainer(make_train, config, runtime)
     overrides = sweep_configs(config, trainer.hyperparams._fields)
-    config_hyperparams = [
-        make_train(dataclasses.replace(config, **values)).hyperparams
-        if values
-        else trainer.hyperparams
-        for values in overrides
-    ]
-    num_configs = len(overrides)
-    num_runs = num_configs * num_seeds
-    run_seed = np.tile(np.arange(num_seeds), num_configs)  # seed index of each run
-    run_config = np.repeat(np.arange(num_configs), num_seeds)
+    swept = [dataclasses.replace(config, **values) for values in overrides]
+    for values, swept_config in zip(overrides, swept, strict=True):
+        if values:  # every sweep configuration gets the trainer's own checks
+            validate(swept_config, runtime)
+    config_hyperparams = [hyperparams_of(type(trainer.hyperparams), c) for c in swept]
+
+    num_configs_, num_seeds = len(overrides), config.num_seeds
+    run_seed = np.tile(np.arange(num_seeds), num_configs_)
+    run_config = np.repeat(np.arange(num_configs_), num_seeds)
     run_columns = {"seed": run_seed.tolist()}
     if config.sweep:
         run_columns["config"] = run_config.tolist()
         for name in overrides[0]:
             run_columns[name] = [overrides[k][name] for k in run_config]
-
-    # Only process 0 writes: the run directory, logs, checkpoints and the summary.
-    resuming = config.resume is not None
-    run_dir = config.resume if resuming else _new_run_dir(config, trainer) if is_main else None
-    checkpoint_dir = os.path.join(run_dir, "checkpoints") if is_main else None
-    csv_path = os.path.join(run_dir, "metrics.csv") if is_main else None
-
-    # Initialise on the devices: every device gets the seed's key, so network parameters are
-    # identical across devices; trainers fold the device index into their environment keys.
     # Configuration k with seed index i starts exactly as a single run with seed + i would.
     run_keys = np.stack([np.asarray(jax.random.PRNGKey(config.seed + i)) for i in run_seed])
     run_hyperparams = jax.tree.map(
         lambda *values: np.stack(values)[run_config], *config_hyperparams
     )
-    on_every_device = functools.partial(
-        jax.tree.map, lambda x: np.repeat(x[None], local_devices, 0)
+    if config.resume is not None:
+        run_dir = config.resume
+    else:
+        run_dir = _new_run_dir(config, trainer) if is_main else None
+    return RunPlan(
+        config=config,
+        trainer=trainer,
+        overrides=overrides,
+        run_seed=run_seed,
+        run_config=run_config,
+        run_keys=run_keys,
+        run_hyperparams=run_hyperparams,
+        run_columns=run_columns,
+        local_devices=runtime.num_devices // jax.process_count(),
+        multi_process=multi_process,
+        is_main=is_main,
+        run_dir=run_dir,
+        chunk_len=trainer.updates_per_chunk
+        or config.updates_per_chunk
+        or auto_updates_per_chunk(trainer.num_updates),
     )
-    compile_start = time.perf_counter()
+
+
+def start_or_resume(plan: RunPlan, clock: _Clock):
+    """The initial training state on the devices, leaves [local devices, runs, ...], or the
+    latest checkpoint's with --resume. Returns (state, first update to train)."""
+    trainer = plan.trainer
+    unroll_threefry_on_cpu(trainer.unrolled_threefry)  # before anything is lowered
+    # Every device gets the run's key, so network parameters are identical across devices;
+    # trainers fold the device index into their environment keys.
+    on_every_device = functools.partial(
+        jax.tree.map, lambda x: np.repeat(x[None], plan.local_devices, 0)
+    )
+    start = time.perf_counter()
     # Runs are initialised one after another (lax.map), not vmapped: a batched LAPACK QR, as
     # in orthogonal weight init, can deadlock XLA:CPU's thread pool on small machines.
     init_runs = jax.pmap(
         lambda keys, hyperparams: jax.lax.map(lambda run: trainer.init(*run), (keys, hyperparams)),
         axis_name=DEVICE_AXIS,
     )
-    state = jax.block_until_ready(init_runs(*on_every_device((run_keys, run_hyperparams))))
-    compile_seconds = time.perf_counter() - compile_start
-    start_update, meta = 0, {"train_seconds": 0.0, "compile_seconds": 0.0, "wall_seconds": 0.0}
-    if resuming:
-        host_state, meta = checkpoint.restore(checkpoint_dir, state)
-        state = jax.tree.map(lambda h, t: jax.device_put(h, t.sharding), host_state, state)
-        start_update = int(meta.pop("update"))
-    previous = {k: meta[k] for k in ("train_seconds", "compile_seconds", "wall_seconds")}
+    state = init_runs(*on_every_device((plan.run_keys, plan.run_hyperparams)))
+    state = jax.block_until_ready(state)
+    clock.compile_seconds += time.perf_counter() - start
+    if plan.config.resume is None:
+        return state, 0
+    host_state, meta = checkpoint.restore(plan.checkpoint_dir, state)
+    state = jax.tree.map(lambda h, t: jax.device_put(h, t.sharding), host_state, state)
+    clock.previous = {k: meta[k] for k in ("train_seconds", "compile_seconds", "wall_seconds")}
+    return state, int(meta["update"])
 
-    chunk_len = (
-        trainer.updates_per_chunk
-        or config.updates_per_chunk
-        or auto_updates_per_chunk(trainer.num_updates)
-    )
-    compiled_chunks: dict[int, Callable] = {}
 
-    def compiled_chunk(num_updates: int):
-        nonlocal compile_seconds
-        if num_updates not in compiled_chunks:
-            chunk = functools.partial(trainer.train_chunk, num_updates=num_updates)
+class _ChunkRunner:
+    """`train_chunk` compiled once per chunk length, as pmap(vmap(chunk)) over the runs."""
+
+    def __init__(self, plan: RunPlan, clock: _Clock):
+        self.plan, self.clock, self.compiled = plan, clock, {}
+
+    def __call__(self, state, num_updates: int):
+        if num_updates not in self.compiled:
+            chunk = functools.partial(self.plan.trainer.train_chunk, num_updates=num_updates)
             start = time.perf_counter()
-            pmapped = jax.pmap(_over_runs(chunk, num_runs), axis_name=DEVICE_AXIS)
+            pmapped = jax.pmap(_over_runs(chunk, self.plan.num_runs), axis_name=DEVICE_AXIS)
             compiled = pmapped.lower(state).compile()
-            compile_seconds += time.perf_counter() - start
+            self.clock.compile_seconds += time.perf_counter() - start
             # A compiled pmap takes global arrays only; with several processes the pmapped
             # function converts this process's arrays and reuses the compilation.
-            compiled_chunks[num_updates] = pmapped if multi_process else compiled
-        return compiled_chunks[num_updates]
+            self.compiled[num_updates] = pmapped if self.plan.multi_process else compiled
+        start = time.perf_counter()
+        state, metrics = self.compiled[num_updates](state)
+        metrics = {k: np.asarray(v[0]) for k, v in jax.device_get(metrics).items()}
+        self.clock.train_seconds += time.perf_counter() - start
+        check_chunk_metrics(metrics, num_updates)
+        return state, metrics
 
+
+def train_in_chunks(plan: RunPlan, state, start_update: int, clock: _Clock, wandb_sink):
+    """Train to the last update, one compiled chunk at a time. After each chunk, and only there,
+    process 0 appends to metrics.csv and wandb, writes records and saves a checkpoint. Ctrl-C
+    saves a checkpoint and exits 130. Returns the final state."""
+    trainer, is_main = plan.trainer, plan.is_main
+    run_chunk = _ChunkRunner(plan, clock)
     metrics_csv = None
-    run_labels = [
-        f"{config_label(overrides[k])} seed_{i}".strip()
-        for k, i in zip(run_config, run_seed, strict=True)
-    ]
-    wandb_sink = (
-        WandbSink(
-            config,
-            run_dir,
-            os.path.basename(os.path.normpath(run_dir)),
-            trainer.headline_metric,
-            run_labels,
-        )
-        if config.track and is_main
-        else None
-    )
     progress = _Progress(
-        config.progress and is_main, trainer.num_updates, start_update, trainer.env_id, trainer
+        plan.config.progress and is_main, trainer.num_updates, start_update, trainer.env_id, trainer
     )
-    steps_per_update = trainer.steps_per_update
-    update, train_seconds, saved_update = start_update, 0.0, start_update
-
-    def meta_now() -> dict:
-        return {
-            "update": update,
-            "train_seconds": previous["train_seconds"] + train_seconds,
-            "compile_seconds": previous["compile_seconds"] + compile_seconds,
-            "wall_seconds": previous["wall_seconds"] + time.perf_counter() - wall_start,
-        }
-
+    update = saved_update = start_update
     try:
         while update < trainer.num_updates:
-            num_updates = min(chunk_len, trainer.num_updates - update)
-            run_chunk = compiled_chunk(num_updates)
-            start = time.perf_counter()
-            new_state, metrics = run_chunk(state)
-            metrics = {k: np.asarray(v[0]) for k, v in jax.device_get(metrics).items()}
-            train_seconds += time.perf_counter() - start
+            num_updates = min(plan.chunk_len, trainer.num_updates - update)
+            new_state, metrics = run_chunk(state, num_updates)
             # the first run's records
             records = {k: metrics.pop(k)[0] for k in list(metrics) if k.startswith("record_")}
             with checkpoint.defer_sigint():  # logs and checkpoint of a chunk land together
@@ -351,85 +385,88 @@ def run_training(config, make_train: Callable[..., Trainer], return_state: bool 
                 update += num_updates
                 if is_main:
                     if metrics_csv is None:
-                        keep = start_update if resuming else None
                         metrics_csv = MetricsCsv(
-                            csv_path, run_columns, sorted(metrics), keep_until_update=keep
+                            plan.csv_path,
+                            plan.run_columns,
+                            sorted(metrics),
+                            keep_until_update=start_update if plan.config.resume else None,
                         )
-                    metrics_csv.append(first_update, steps_per_update, metrics)
+                    metrics_csv.append(first_update, trainer.steps_per_update, metrics)
                     if wandb_sink is not None:
-                        wandb_sink.log(first_update, steps_per_update, metrics)
-                    checkpoint.save(checkpoint_dir, update, state, meta_now())
+                        wandb_sink.log(first_update, trainer.steps_per_update, metrics)
+                    checkpoint.save(plan.checkpoint_dir, update, state, clock.totals(update))
                     saved_update = update
             if is_main and records and trainer.write_records is not None:
-                written = trainer.write_records(run_dir, update, records)
+                written = trainer.write_records(plan.run_dir, update, records)
                 if wandb_sink is not None:
-                    wandb_sink.log_files(update * steps_per_update, written)
-            done_steps = (update - start_update) * steps_per_update * num_runs
-            last_returns = metrics[trainer.headline_metric][:, -1]
-            mean_return = np.nanmean(last_returns) if np.isfinite(last_returns).any() else np.nan
-            progress.update(update, mean_return, done_steps / max(train_seconds, 1e-9))
+                    wandb_sink.log_files(update * trainer.steps_per_update, written)
+            done_steps = (update - start_update) * trainer.steps_per_update * plan.num_runs
+            last_values = metrics[trainer.headline_metric][:, -1]
+            mean_value = np.nanmean(last_values) if np.isfinite(last_values).any() else np.nan
+            progress.update(update, mean_value, done_steps / max(clock.train_seconds, 1e-9))
     except KeyboardInterrupt:
         progress.close()
         if is_main and saved_update != update:
-            checkpoint.save(checkpoint_dir, update, state, meta_now())
-        resume_hint = f"; continue with --resume {run_dir}" if is_main and not multi_process else ""
-        print(f"\ninterrupted after update {update}{resume_hint}", file=sys.stderr)
+            checkpoint.save(plan.checkpoint_dir, update, state, clock.totals(update))
+        hint = (
+            f"; continue with --resume {plan.run_dir}" if is_main and not plan.multi_process else ""
+        )
+        print(f"\ninterrupted after update {update}{hint}", file=sys.stderr)
         sys.exit(130)
     progress.close()
-    if not is_main:
-        # Wait for process 0's evaluation and reports, so that no process leaves the group
-        # while another still works.
-        multihost_utils.sync_global_devices(_REPORTED_BARRIER)
-        print(
-            f"{trainer.algo} {trainer.env_id}: process {jax.process_index()} of "
-            f"{jax.process_count()} done, {update} updates; process 0 wrote the run directory"
-        )
-        return (None, state) if return_state else None
+    return state
 
-    eval_returns = [float("nan")] * num_runs
-    if config.eval_episodes > 0 and trainer.evaluate is not None:
-        first_device_state = jax.tree.map(lambda x: x[0], state)
-        eval_keys = jax.vmap(lambda k: jax.random.fold_in(k, 1))(run_keys)
-        start = time.perf_counter()
-        evaluate = (
-            jax.jit(jax.vmap(trainer.evaluate)).lower(first_device_state, eval_keys).compile()
-        )
-        compile_seconds += time.perf_counter() - start
-        eval_returns = np.asarray(evaluate(first_device_state, eval_keys)).mean(axis=1).tolist()
 
-    columns = read_metrics_csv(csv_path)
-    video_path = None
-    if config.capture_video:
-        if trainer.greedy_policy is None:
-            print(f"--capture-video: {trainer.algo} records no episode video")
-        else:
-            first_run = jax.tree.map(lambda x: x[0, 0], state)  # device 0, run 0
-            video_path = write_episode_gif(
-                trainer.env_id,
-                trainer.greedy_policy(first_run),
-                jax.random.fold_in(run_keys[0], 2),
-                os.path.join(run_dir, "videos", "final.gif"),
-            )
-        if video_path is not None and wandb_sink is not None:
-            wandb_sink.log_video(video_path)
+def _evaluate_final(plan: RunPlan, state, clock: _Clock) -> list[float]:
+    """Mean greedy return of each run, [runs]; NaN without an evaluation after training."""
+    trainer = plan.trainer
+    if plan.config.eval_episodes <= 0 or trainer.evaluate is None:
+        return [float("nan")] * plan.num_runs
+    first_device_state = jax.tree.map(lambda x: x[0], state)
+    eval_keys = jax.vmap(lambda k: jax.random.fold_in(k, 1))(plan.run_keys)
+    start = time.perf_counter()
+    evaluate = jax.jit(jax.vmap(trainer.evaluate)).lower(first_device_state, eval_keys).compile()
+    clock.compile_seconds += time.perf_counter() - start
+    return np.asarray(evaluate(first_device_state, eval_keys)).mean(axis=1).tolist()
 
+
+def _capture_video(plan: RunPlan, state, wandb_sink) -> None:
+    """--capture-video: one greedy episode of the first run, as RUN_DIR/videos/final.gif."""
+    trainer = plan.trainer
+    if trainer.greedy_policy is None:
+        print(f"--capture-video: {trainer.algo} records no episode video")
+        return
+    video_path = write_episode_gif(
+        trainer.env_id,
+        trainer.greedy_policy(jax.tree.map(lambda x: x[0, 0], state)),  # device 0, run 0
+        jax.random.fold_in(plan.run_keys[0], 2),
+        os.path.join(plan.run_dir, "videos", "final.gif"),
+    )
+    if video_path is not None and wandb_sink is not None:
+        wandb_sink.log_video(video_path)
+
+
+def _summary(plan: RunPlan, columns: dict, eval_returns: list, start_update: int, clock) -> dict:
+    """summary.json: lists "per seed" hold one entry per run, configuration-major when
+    sweeping."""
+    trainer, config = plan.trainer, plan.config
+    num_seeds, num_runs = config.num_seeds, plan.num_runs
     final_returns = _final_values(
         columns, trainer.headline_metric, num_seeds, num_runs, trainer.num_updates
     )
-    metric_names = [n for n in columns if n not in ("update", "env_steps", *run_columns)]
-    totals = meta_now()
-    steps_done = (trainer.num_updates - start_update) * steps_per_update * num_runs
-    steps_per_second = steps_done / max(train_seconds, 1e-9)
-    # Lists "per seed" hold one entry per run: configuration-major when sweeping.
+    metric_names = [n for n in columns if n not in ("update", "env_steps", *plan.run_columns)]
+    totals = clock.totals(trainer.num_updates)
+    steps_done = (trainer.num_updates - start_update) * trainer.steps_per_update * num_runs
+    steps_per_second = steps_done / max(clock.train_seconds, 1e-9)
     summary = {
         "algo": trainer.algo,
         "env_id": trainer.env_id,
-        "run_dir": run_dir,
-        "seeds": [config.seed + int(i) for i in run_seed],
-        "num_devices": num_devices,
+        "run_dir": plan.run_dir,
+        "seeds": [config.seed + int(i) for i in plan.run_seed],
+        "num_devices": trainer.runtime.num_devices,
         "num_processes": jax.process_count(),
         "num_updates": trainer.num_updates,
-        "env_steps_per_seed": trainer.num_updates * steps_per_update,
+        "env_steps_per_seed": trainer.num_updates * trainer.steps_per_update,
         "headline_metric": trainer.headline_metric,
         "final_return_per_seed": final_returns,
         "final_return_mean": float(np.nanmean(final_returns)),
@@ -445,47 +482,90 @@ def run_training(config, make_train: Callable[..., Trainer], return_state: bool 
         "compile_seconds": totals["compile_seconds"],
         "train_seconds": totals["train_seconds"],
         "wall_seconds": totals["wall_seconds"],
-        "resumed_from_update": start_update if resuming else None,
+        "resumed_from_update": start_update if config.resume is not None else None,
     }
     if config.sweep:
         summary["sweep"] = {
-            "parameters": list(overrides[0]),
-            "num_configs": num_configs,
-            "ranking": _sweep_ranking(overrides, final_returns, eval_returns),
+            "parameters": list(plan.overrides[0]),
+            "num_configs": len(plan.overrides),
+            "ranking": _sweep_ranking(plan.overrides, final_returns, eval_returns),
         }
-    write_json(os.path.join(run_dir, "summary.json"), summary)
-    plot_learning_curve(
-        csv_path,
-        os.path.join(run_dir, "learning_curve.png"),
-        f"{trainer.algo} {trainer.env_id}",
-        trainer.headline_metric,
-        trainer.step_unit,
-        [config_label(values) for values in overrides] if config.sweep else None,
-    )
-    if wandb_sink is not None:
-        wandb_sink.finish(summary)
-    evaluated = (
-        f"eval {summary['eval_return_mean']:.1f}, "
-        if config.eval_episodes and trainer.evaluate is not None
-        else ""
-    )
+    return summary
+
+
+def _result_line(plan: RunPlan, summary: dict) -> str:
+    """The one line a finished run prints."""
+    trainer, config = plan.trainer, plan.config
+    evaluated = config.eval_episodes and trainer.evaluate is not None
     headline = "return" if trainer.headline_metric == "episode_return" else trainer.headline_metric
-    result = (
-        f"final {headline} {summary['final_return_mean']:.3g} ± {summary['final_return_std']:.2g}"
-    )
+    best = summary
+    result = f"final {headline} {best['final_return_mean']:.3g} ± {best['final_return_std']:.2g}"
     if config.sweep:
         best = summary["sweep"]["ranking"][0]
         result = (
-            f"best of {num_configs} configs {config_label(best['hyperparams'])}: final "
+            f"best of {len(plan.overrides)} configs {config_label(best['hyperparams'])}: final "
             f"{headline} {best['final_return_mean']:.3g} ± {best['final_return_std']:.2g}"
         )
-        evaluated = f"eval {best['eval_return_mean']:.1f}, " if evaluated else ""
-    print(
-        f"{trainer.algo} {trainer.env_id}: {result} over {num_seeds} seed(s), "
-        f"{evaluated}{steps_per_second:,.0f} {trainer.step_unit}/s, "
+    evaluation = f"eval {best['eval_return_mean']:.1f}, " if evaluated else ""
+    return (
+        f"{trainer.algo} {trainer.env_id}: {result} over {config.num_seeds} seed(s), "
+        f"{evaluation}{summary['steps_per_second']:,.0f} {trainer.step_unit}/s, "
         f"compile {summary['compile_seconds']:.1f} s, wall {summary['wall_seconds']:.1f} s "
-        f"-> {run_dir}"
+        f"-> {plan.run_dir}"
     )
-    if multi_process:
+
+
+def report(plan: RunPlan, state, start_update: int, clock: _Clock, wandb_sink) -> dict:
+    """Process 0 after training: evaluation, video, summary.json, the learning curve, wandb's
+    summary and the one-line result."""
+    eval_returns = _evaluate_final(plan, state, clock)
+    if plan.config.capture_video:
+        _capture_video(plan, state, wandb_sink)
+    summary = _summary(plan, read_metrics_csv(plan.csv_path), eval_returns, start_update, clock)
+    write_json(os.path.join(plan.run_dir, "summary.json"), summary)
+    trainer = plan.trainer
+    plot_learning_curve(
+        plan.csv_path,
+        os.path.join(plan.run_dir, "learning_curve.png"),
+        f"{trainer.algo} {trainer.env_id}",
+        trainer.headline_metric,
+        trainer.step_unit,
+        [config_label(values) for values in plan.overrides] if plan.config.sweep else None,
+    )
+    if wandb_sink is not None:
+        wandb_sink.finish(summary)
+    print(_result_line(plan, summary))
+    return summary
+
+
+def run_training(config, make_train: Callable, validate: Callable, return_state: bool = False):
+    """Plan, start or resume, train in chunks and report (utils/trainer.py has the contract
+    `make_train` and `validate` follow). Returns the summary dict (None on the processes other
+    than 0 of a multi-process run), and with `return_state` also this process's final training
+    state, leaves [local devices, runs, ...]."""
+    clock = _Clock(wall_start=time.perf_counter())
+    plan = plan_runs(config, make_train, validate)
+    state, start_update = start_or_resume(plan, clock)
+    wandb_sink = None
+    if config.track and plan.is_main:
+        run_name = os.path.basename(os.path.normpath(plan.run_dir))
+        run_labels = [
+            f"{config_label(plan.overrides[k])} seed_{i}".strip()
+            for k, i in zip(plan.run_config, plan.run_seed, strict=True)
+        ]
+        wandb_sink = WandbSink(
+            config, plan.run_dir, run_name, plan.trainer.headline_metric, run_labels
+        )
+    state = train_in_chunks(plan, state, start_update, clock, wandb_sink)
+    summary = None
+    if plan.is_main:
+        summary = report(plan, state, start_update, clock, wandb_sink)
+    else:
+        print(
+            f"{plan.trainer.algo} {plan.trainer.env_id}: process {jax.process_index()} of "
+            f"{jax.process_count()} done; process 0 writes the run directory"
+        )
+    if plan.multi_process:
+        # no process leaves the group while process 0 still evaluates and reports
         multihost_utils.sync_global_devices(_REPORTED_BARRIER)
     return (summary, state) if return_state else summary

@@ -139,6 +139,11 @@ def make_env(name: str):
     return EpisodeStatsWrapper(env), env_params, spec
 
 
+def env_spec(name: str) -> EnvSpec:
+    """The EnvSpec of an env, for checks that need no environment to step."""
+    return make_env(name)[2]
+
+
 def episode_metrics(done, episode_return, episode_length) -> dict[str, jax.Array]:
     """Mean return and length of the episodes that ended in a batch of steps (any shape), over
     all devices; NaN where none ended. Call it inside the driver's pmap."""

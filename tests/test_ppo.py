@@ -1,4 +1,5 @@
-"""GAE, truncation bootstrapping, the PPO loss and the action distributions against plain NumPy."""
+"""PPO: GAE, truncation bootstrapping, the PPO loss and the action distributions against plain
+NumPy; and the trainer without the driver, as PureJaxRL's users call it."""
 
 import jax
 import jax.numpy as jnp
@@ -6,6 +7,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+import purejaxrl_ppo
 from purejaxrl_ppo import (
     Categorical,
     DiagGaussian,
@@ -14,6 +16,8 @@ from purejaxrl_ppo import (
     next_state_values,
     ppo_loss,
 )
+from tests.golden_runs import GOLDEN_DIR, read_columns
+from utils.trainer import Runtime, TrainerContractError
 
 
 def gae_reference(rewards, values, last_value, final_values, terminated, truncated, gamma, lam):
@@ -102,9 +106,8 @@ def test_ppo_loss_matches_hand_computation():
     value_loss = 0.5 * np.mean(np.maximum((value - targets) ** 2, (v_clipped - targets) ** 2))
     expected = policy_loss + 0.5 * value_loss - 0.01 * entropy.mean()
 
-    loss, info = ppo_loss(
-        log_prob, entropy, value, old_log_prob, old_value, advantages, targets, hp, True, True
-    )
+    minibatch = (log_prob, entropy, value, old_log_prob, old_value, advantages, targets)
+    loss, info = ppo_loss(*minibatch, hp=hp, norm_adv=True, clip_vloss=True)
     assert float(loss) == pytest.approx(expected, rel=1e-5)
     assert float(info.policy_loss) == pytest.approx(policy_loss, rel=1e-5)
     assert float(info.value_loss) == pytest.approx(value_loss, rel=1e-5)
@@ -112,9 +115,7 @@ def test_ppo_loss_matches_hand_computation():
     assert float(info.approx_kl) == pytest.approx(np.mean(ratio - 1 - np.log(ratio)), rel=1e-4)
 
     # Without advantage normalisation and value clipping the plain formulas apply.
-    loss, info = ppo_loss(
-        log_prob, entropy, value, old_log_prob, old_value, advantages, targets, hp, False, False
-    )
+    loss, info = ppo_loss(*minibatch, hp=hp, norm_adv=False, clip_vloss=False)
     raw_policy = np.mean(np.maximum(-advantages * ratio, -advantages * np.clip(ratio, 0.8, 1.2)))
     assert float(info.policy_loss) == pytest.approx(raw_policy, rel=1e-5)
     assert float(info.value_loss) == pytest.approx(0.5 * np.mean((value - targets) ** 2), rel=1e-5)
@@ -140,3 +141,37 @@ def test_diag_gaussian_matches_scipy():
     np.testing.assert_allclose(pi.entropy(), reference.entropy().sum(-1), rtol=1e-5)
     samples = pi.sample(jax.random.PRNGKey(0))
     assert samples.shape == mean.shape
+
+
+# ---------------------------------------------------------------------------------------------
+# Without the driver
+# ---------------------------------------------------------------------------------------------
+
+
+def test_make_train_needs_no_driver():
+    trainer = purejaxrl_ppo.make_train(purejaxrl_ppo.Config())
+    assert trainer.runtime == Runtime() and trainer.num_updates == 976
+
+
+def test_jit_of_vmap_of_train_runs_two_seeds_without_the_driver():
+    """PureJaxRL's usage, on the golden 2-seed PPO CartPole run's settings: the same numbers as
+    the driver's run of seeds 1 and 2, up to float32 noise."""
+    config = purejaxrl_ppo.Config(
+        num_envs=4, num_steps=16, num_minibatches=2, update_epochs=2, total_timesteps=512
+    )
+    train = purejaxrl_ppo.make_train(config).train
+    keys = jnp.stack([jax.random.PRNGKey(1), jax.random.PRNGKey(2)])
+    state, metrics = jax.jit(jax.vmap(train))(keys)
+    assert metrics["episode_return"].shape == (2, 8)
+    kernel = state.params["params"]["actor"]["layers_1"]["kernel"]  # [seeds, ...]
+    assert kernel.shape[0] == 2 and not np.allclose(kernel[0], kernel[1])
+    golden = read_columns(GOLDEN_DIR / "ppo_cartpole_2_seeds.csv")
+    for name in ("episode_return", "value_loss", "entropy"):
+        recorded = np.array(golden[name], float).reshape(8, 2).T  # rows: update-major
+        np.testing.assert_allclose(metrics[name], recorded, rtol=1e-4, err_msg=name)
+
+
+def test_train_refuses_a_trainer_built_for_several_devices():
+    trainer = purejaxrl_ppo.make_train(purejaxrl_ppo.Config(), Runtime(num_devices=2))
+    with pytest.raises(TrainerContractError, match="one device"):
+        trainer.train(jax.random.PRNGKey(0))

@@ -1,0 +1,294 @@
+"""The driver and the trainer contract, specified with a stub trainer that compiles in a blink:
+run directory, seeds and sweeps side by side, resume, checkpoints, wandb, and the contract's
+checks (swept values unreadable to compiled code, the config never mutated)."""
+
+import csv
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.helpers import assert_identical_runs, checkpoint_leaves, metric_table
+from utils import checkpoint, driver
+from utils.cli import RunConfig
+from utils.driver import auto_updates_per_chunk, run_training
+from utils.errors import ConfigError
+from utils.trainer import (
+    Runtime,
+    Trainer,
+    TrainerContractError,
+    build_trainer,
+    check_chunk_metrics,
+    hyperparams_of,
+)
+
+# ---------------------------------------------------------------------------------------------
+# The stub: x starts at a random value per seed and moves towards `target` at `rate` per update
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class StubConfig(RunConfig):
+    env: str = "stub"
+    num_updates: int = 8
+    rate: float = 0.5
+    target: float = 1.0
+    limit: int = 3  # an int hyperparameter
+    negative_rate: bool = False  # the validator's one check
+
+
+class StubHyperParams(NamedTuple):
+    rate: jax.Array
+    target: jax.Array
+    limit: jax.Array
+
+
+def stub_validate(config, runtime):
+    if config.rate < 0 and not config.negative_rate:
+        raise ConfigError(f"--rate must be >= 0, got {config.rate}")
+
+
+def make_stub(read_in_chunk: str | None = None, read_in_build: str | None = None):
+    """The stub's make_train; `read_in_*` names a config field that it wrongly reads inside its
+    compiled chunk or while it is built."""
+
+    def make_train(config, runtime=None):
+        if read_in_build:
+            getattr(config, read_in_build)
+
+        def train_chunk(state, num_updates):
+            def update(x, _):
+                rate = getattr(config, read_in_chunk) if read_in_chunk else state["hp"].rate
+                x = x + rate * (state["hp"].target - x)
+                return x, {"episode_return": x, "loss": jnp.square(x - state["hp"].target)}
+
+            x, metrics = jax.lax.scan(update, state["x"], None, num_updates)
+            return {**state, "x": x}, metrics
+
+        return Trainer(
+            algo="stub",
+            env_id=config.env,
+            num_updates=config.num_updates,
+            steps_per_update=10,
+            hyperparams=hyperparams_of(StubHyperParams, config),
+            init=lambda key, hp: {"x": jax.random.uniform(key), "hp": hp},
+            train_chunk=train_chunk,
+            evaluate=lambda state, key: jnp.full(config.eval_episodes, state["x"]),
+            runtime=runtime or Runtime(),
+        )
+
+    return make_train
+
+
+def train(tmp_path, make_train=None, **fields):
+    config = StubConfig(runs_dir=str(tmp_path / "runs"), progress=False, **fields)
+    return run_training(config, make_train or make_stub(), stub_validate)
+
+
+def read_rows(run_dir):
+    with open(os.path.join(run_dir, "metrics.csv"), newline="") as f:
+        return list(csv.DictReader(f))
+
+
+# ---------------------------------------------------------------------------------------------
+# Outputs, seeds, sweeps
+# ---------------------------------------------------------------------------------------------
+
+
+def test_run_directory_has_every_output(tmp_path):
+    summary = train(tmp_path, num_seeds=2, updates_per_chunk=4)
+    run_dir = summary["run_dir"]
+    assert os.path.basename(run_dir).startswith("stub__stub__1__")
+    assert sorted(os.listdir(run_dir)) == [
+        "checkpoints",
+        "config.json",
+        "learning_curve.png",
+        "metrics.csv",
+        "summary.json",
+    ]
+    assert os.listdir(os.path.join(run_dir, "checkpoints")) == ["update_00000008"]
+    with open(os.path.join(run_dir, "config.json")) as f:
+        assert json.load(f)["num_seeds"] == 2
+    rows = read_rows(run_dir)
+    assert len(rows) == 8 * 2  # updates x seeds
+    assert [int(r["env_steps"]) for r in rows[::2]] == [10 * u for u in range(1, 9)]
+    assert list(rows[0]) == ["update", "env_steps", "seed", "episode_return", "loss"]
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        saved = json.load(f)
+    assert saved == json.loads(json.dumps(summary))
+    x = np.array([[float(r["episode_return"]) for r in rows[s::2]] for s in range(2)])
+    # final: the mean over the last 10% of updates (at least one); eval: the final state's
+    assert saved["final_return_per_seed"] == pytest.approx(x[:, -1].tolist())
+    assert saved["eval_return_per_seed"] == pytest.approx(x[:, -1].tolist())
+    assert saved["final_metrics_per_seed"][1]["loss"] == pytest.approx(float(rows[-1]["loss"]))
+    for key in ("steps_per_second", "compile_seconds", "wall_seconds", "train_seconds"):
+        assert saved[key] > 0
+    assert saved["env_steps_per_seed"] == 80 and saved["num_devices"] == 1
+    assert saved["headline_metric"] == "episode_return" and saved["resumed_from_update"] is None
+    assert os.path.getsize(os.path.join(run_dir, "learning_curve.png")) > 1000
+
+
+def test_same_seed_same_numbers_and_seed_i_equals_a_single_run(tmp_path):
+    together = train(tmp_path, num_seeds=3)
+    assert_identical_runs(together["run_dir"], train(tmp_path, num_seeds=3)["run_dir"])
+    alone = train(tmp_path, seed=3)
+    np.testing.assert_array_equal(
+        metric_table(together["run_dir"], 2), metric_table(alone["run_dir"], 0)
+    )
+    assert len(set(together["final_return_per_seed"])) == 3  # seeds differ
+
+
+def test_sweep_configuration_equals_a_single_run(tmp_path):
+    sweep = train(tmp_path, num_seeds=2, sweep=("rate=0.1,0.5", "limit=1,2"))
+    # configuration 2 (rate 0.5, limit 1), seed index 1, is run 2 * 2 + 1
+    alone = train(tmp_path, rate=0.5, limit=1, seed=2)
+    run_dir = sweep["run_dir"]
+    np.testing.assert_array_equal(metric_table(run_dir, 1, 2), metric_table(alone["run_dir"], 0))
+    assert sweep["seeds"] == [1, 2] * 4
+    ranking = sweep["sweep"]["ranking"]
+    assert sweep["sweep"]["parameters"] == ["rate", "limit"]
+    means = [r["final_return_mean"] for r in ranking]
+    assert means == sorted(means, reverse=True)
+    third = next(r for r in ranking if r["config"] == 2)
+    assert third["hyperparams"] == {"rate": 0.5, "limit": 1}
+    assert third["final_return_per_seed"] == sweep["final_return_per_seed"][4:6]
+    rows = read_rows(run_dir)
+    assert [(r["config"], r["seed"], r["rate"], r["limit"]) for r in rows[4:6]] == [
+        ("2", "0", "0.5", "1"),
+        ("2", "1", "0.5", "1"),
+    ]
+
+
+def test_every_sweep_configuration_is_validated_before_anything_is_written(tmp_path):
+    with pytest.raises(ConfigError, match=r"--rate must be >= 0, got -1\.0"):
+        train(tmp_path, sweep=("rate=0.5,-1",))
+    assert not (tmp_path / "runs").exists()
+    assert train(tmp_path, sweep=("rate=0.5,-1",), negative_rate=True)["sweep"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Resume and checkpoints
+# ---------------------------------------------------------------------------------------------
+
+
+def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, monkeypatch):
+    uninterrupted = train(tmp_path, updates_per_chunk=2)["run_dir"]
+
+    def interrupt_after_update_4(self, done, *_):
+        if done == 4:
+            raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(driver._Progress, "update", interrupt_after_update_4)
+        with pytest.raises(SystemExit) as exit_info:
+            train(tmp_path, updates_per_chunk=2)
+    assert exit_info.value.code == 130
+    runs_dir = os.path.dirname(uninterrupted)
+    (interrupted,) = [d for d in os.listdir(runs_dir) if d != os.path.basename(uninterrupted)]
+    interrupted = os.path.join(runs_dir, interrupted)
+    assert checkpoint.latest_update(os.path.join(interrupted, "checkpoints")) == 4
+    assert not os.path.exists(os.path.join(interrupted, "summary.json"))
+
+    summary = train(tmp_path, resume=interrupted)
+    assert summary["resumed_from_update"] == 4
+    a, b = checkpoint_leaves(uninterrupted), checkpoint_leaves(interrupted)
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name])
+    np.testing.assert_array_equal(metric_table(uninterrupted, 0), metric_table(interrupted, 0))
+
+
+def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):
+    state = {"w": np.arange(3.0)}
+    checkpoint.save(str(tmp_path), 1, state, {"update": 1})
+
+    def crash(self, path, *args, **kwargs):
+        os.makedirs(str(path) + ".orbax-checkpoint-tmp-0")  # a half-written directory
+        raise OSError("disk full")
+
+    monkeypatch.setattr(checkpoint.ocp.Checkpointer, "save", crash)
+    with pytest.raises(OSError):
+        checkpoint.save(str(tmp_path), 2, {"w": np.zeros(3)}, {"update": 2})
+    assert checkpoint.latest_update(str(tmp_path)) == 1
+    restored, meta = checkpoint.restore(str(tmp_path), state)
+    np.testing.assert_array_equal(restored["w"], np.arange(3.0))
+    assert meta == {"update": 1}
+
+
+def test_track_logs_to_wandb_offline_without_network(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    run_dir = Path(train(tmp_path, track=True)["run_dir"])
+    assert list((run_dir / "wandb").glob("offline-run-*")), os.listdir(run_dir)
+
+
+@pytest.mark.parametrize(
+    ("num_updates", "expected"), [(1, 1), (24, 1), (976, 61), (1220, 61), (1000, 40), (997, 40)]
+)
+def test_auto_chunk_length_divides_when_it_can(num_updates, expected):
+    assert auto_updates_per_chunk(num_updates) == expected
+
+
+# ---------------------------------------------------------------------------------------------
+# The contract's checks
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["chunk", "build"])
+def test_a_trainer_that_reads_a_swept_field_is_refused_naming_it(tmp_path, where):
+    """A copy whose code reads config.rate instead of hp.rate would ignore --sweep rate=..."""
+    make_train = make_stub(**{f"read_in_{where}": "rate"})
+    with pytest.raises(TrainerContractError, match=r"config\.rate.*hp\.rate"):
+        train(tmp_path, make_train, sweep=("rate=0.1,0.5",))
+    assert not any((tmp_path / "runs").glob("*/metrics.csv"))  # before the first chunk ran
+
+
+def test_fields_that_shape_the_program_stay_readable():
+    trainer = build_trainer(make_stub(read_in_build="num_updates"), StubConfig(), Runtime())
+    assert trainer.num_updates == 8
+
+
+def test_the_config_is_never_mutated():
+    def make_train(config, runtime):
+        config.num_devices = 1
+
+    with pytest.raises(TrainerContractError, match="never mutated"):
+        build_trainer(make_train, StubConfig(), Runtime())
+
+
+def test_hyperparams_take_the_declared_type_of_their_field():
+    hp = hyperparams_of(StubHyperParams, StubConfig(rate=1, limit=2))
+    assert hp.rate.dtype == np.float32 and hp.limit.dtype == np.int32
+
+
+def test_hyperparams_must_be_named_after_config_fields():
+    class Misnamed(NamedTuple):
+        lr: jax.Array
+
+    with pytest.raises(TrainerContractError, match=r"\['lr'\] are not Config fields"):
+        hyperparams_of(Misnamed, StubConfig())
+
+
+def test_a_metric_must_have_one_value_per_update():
+    check_chunk_metrics({"loss": np.zeros((2, 5)), "record_moves": np.zeros((2, 9))}, 5)
+    with pytest.raises(TrainerContractError, match=r"'loss' has shape \(\)"):
+        check_chunk_metrics({"loss": np.zeros(2)}, 5)
+
+
+def test_train_needs_no_driver_and_no_device_axis():
+    train_fn = make_stub()(StubConfig()).train
+    keys = jnp.stack([jax.random.PRNGKey(1), jax.random.PRNGKey(2)])
+    state, metrics = jax.jit(jax.vmap(train_fn))(keys)
+    assert metrics["episode_return"].shape == (2, 8)
+    np.testing.assert_allclose(metrics["episode_return"][:, -1], state["x"])
+
+
+def test_train_refuses_a_trainer_built_for_several_devices():
+    trainer = make_stub()(StubConfig(), Runtime(num_devices=2))
+    with pytest.raises(TrainerContractError, match="one device"):
+        trainer.train(jax.random.PRNGKey(0))

@@ -1,0 +1,179 @@
+"""The contract between a trainer script and the driver, in one place.
+
+A trainer script (`purejaxrl_*.py`) provides four things:
+
+- `Config`: a dataclass that extends `utils.cli.RunConfig`; every field is a flag.
+- `HyperParams`: a NamedTuple of the hyperparameters that change no array shape. Each field is
+  named after the `Config` field it comes from, so that `--sweep` can vary it inside one
+  compiled program: the values travel in the training state as arrays (int32 where the
+  `Config` field is an int, float32 otherwise), never as constants of the program.
+- `validate(config, runtime)`: raises `ConfigError` (one sentence) for a bad config. It is
+  cheap, builds no network and compiles nothing; the driver calls it for the config and for
+  every sweep configuration before anything is written.
+- `make_train(config, runtime) -> Trainer`: builds the pure functions, given a valid config.
+
+The driver resolves a `Runtime` (devices, runs side by side, backend) and hands it in; it
+never mutates the config. It hands `make_train` a view of the config in which the
+`HyperParams` fields cannot be read, except through `hyperparams_of`: compiled code that read
+`config.gamma` instead of `hp.gamma` would turn `--sweep gamma=...` into a silent no-op, so the
+driver refuses such a trainer, naming the field, before it compiles anything.
+
+`Trainer.train(key)` is the whole run without the driver and without a device axis, as
+PureJaxRL's `train` is: `jax.jit(jax.vmap(make_train(config).train))(keys)` trains one seed per
+key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from utils.devices import DEVICE_AXIS
+
+
+class Runtime(NamedTuple):
+    """What the driver resolves before it builds a trainer."""
+
+    num_devices: int = 1  # devices the environments are split over, every process together
+    num_runs: int = 1  # runs side by side on each device: seeds x sweep configurations
+    backend: str = "cpu"  # jax.default_backend()
+
+
+class TrainerContractError(RuntimeError):
+    """A trainer that breaks the contract above: a bug in the trainer, not a bad flag."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Trainer:
+    """What `make_train(config, runtime)` returns: pure functions and what the driver reports.
+
+    Under the driver every function runs inside `pmap(vmap(f), axis_name=DEVICE_AXIS)`, so it
+    sees one run (one seed of one sweep configuration) on one device. Metrics are already
+    reduced over DEVICE_AXIS (`device_mean` / `device_sum`): the driver logs device 0's copy.
+    """
+
+    algo: str
+    env_id: str
+    num_updates: int
+    steps_per_update: int  # env steps (or moves) of one run per update, all devices together
+    # the base config's values (`hyperparams_of(HyperParams, config)`): the driver stacks one
+    # per sweep configuration, and `train` uses these
+    hyperparams: Any
+    init: Callable  # (key, hyperparams) -> state
+    # (state, num_updates) -> (state, {name: [num_updates] float}); NaN means "nothing to report
+    # at this update" (no episode ended, no evaluation ran). Outputs named "record_*" have any
+    # shape and go to `write_records` instead of metrics.csv.
+    train_chunk: Callable
+    # (state, key) -> episode returns [eval_episodes], run once after training; None when the
+    # trainer evaluates inside its chunks instead
+    evaluate: Callable | None
+    runtime: Runtime  # what the trainer was built for
+    # (state) -> (obs batch -> action batch), the greedy policy that --capture-video films
+    greedy_policy: Callable | None = None
+    # (run_dir, update, records) -> written files, on the host after a chunk with records
+    write_records: Callable | None = None
+    headline_metric: str = "episode_return"  # the progress bar's number and the final value
+    step_unit: str = "steps"  # what steps_per_update counts, for the reports
+    updates_per_chunk: int | None = None  # a chunk length the algorithm needs (None: free)
+    # A hint the driver applies before lowering: JAX's threefry hash as straight-line code on
+    # CPU (utils.devices.unroll_threefry_on_cpu), or JAX's rolled CPU loop.
+    unrolled_threefry: bool = True
+
+    def train(self, key):
+        """The whole run as one scan over updates, with no driver: (final state, metrics
+        {name: [num_updates]}). The device axis the functions expect has size 1."""
+        if self.runtime.num_devices != 1:
+            raise TrainerContractError(
+                f"Trainer.train runs on one device; this trainer was built for "
+                f"{self.runtime.num_devices}"
+            )
+
+        def whole_run(key):
+            return self.train_chunk(self.init(key, self.hyperparams), self.num_updates)
+
+        out = jax.vmap(whole_run, axis_name=DEVICE_AXIS)(key[None])
+        return jax.tree.map(lambda x: x[0], out)
+
+
+def hyperparams_of(hyperparams_type: type, config) -> Any:
+    """The `HyperParams` of a config (or of the driver's view of one): each field from the
+    `Config` field of the same name, int32 for an int field and float32 otherwise."""
+    config = config._config if isinstance(config, ConfigView) else config
+    # the declared type, not the value's: a preset may write a float field as 1
+    declared = {field.name: field.type for field in dataclasses.fields(config)}
+    unknown = [name for name in hyperparams_type._fields if name not in declared]
+    if unknown:
+        raise TrainerContractError(
+            f"HyperParams fields {unknown} are not Config fields: each must be named after one"
+        )
+    return hyperparams_type(
+        **{
+            name: np.asarray(
+                getattr(config, name), np.int32 if declared[name] in ("int", int) else np.float32
+            )
+            for name in hyperparams_type._fields
+        }
+    )
+
+
+class ConfigView:
+    """A config as `make_train` sees it under the driver. Reading a field records it; once the
+    trainer names its `HyperParams` (`hide`), reading one of those raises, and the driver
+    refuses a trainer that read one while it was built (`check_reads`)."""
+
+    def __init__(self, config):
+        object.__setattr__(self, "_config", config)
+        object.__setattr__(self, "_read", set())
+        object.__setattr__(self, "_hidden", frozenset())
+
+    def __getattr__(self, name):
+        if name in self._hidden:
+            raise TrainerContractError(_read_message(name))
+        self._read.add(name)
+        return getattr(self._config, name)
+
+    def __setattr__(self, name, value):
+        raise TrainerContractError(f"make_train set config.{name}; the config is never mutated")
+
+    def hide(self, names) -> None:
+        object.__setattr__(self, "_hidden", frozenset(names))
+
+    def check_reads(self, names) -> None:
+        for name in names:
+            if name in self._read:
+                raise TrainerContractError(_read_message(name))
+
+
+def _read_message(name: str) -> str:
+    return (
+        f"the trainer read config.{name}, a HyperParams field that --sweep varies inside the "
+        f"compiled program; read it from the HyperParams in the training state (hp.{name})"
+    )
+
+
+def build_trainer(make_train: Callable, config, runtime: Runtime) -> Trainer:
+    """`make_train(config, runtime)` under the contract: the config's HyperParams fields are
+    unreadable to it and to the functions it returns."""
+    view = ConfigView(config)
+    trainer = make_train(view, runtime)
+    fields = type(trainer.hyperparams)._fields
+    view.check_reads(fields)
+    view.hide(fields)
+    return trainer
+
+
+def check_chunk_metrics(metrics: dict, num_updates: int) -> None:
+    """The metrics of a chunk on the host, leaves [runs, num_updates] (device 0's copy): one
+    float per update and run for every name but the "record_*" outputs."""
+    for name, values in metrics.items():
+        if name.startswith("record_"):
+            continue
+        if values.ndim != 2 or values.shape[1] != num_updates:
+            raise TrainerContractError(
+                f"metric {name!r} has shape {values.shape[1:]} per run; a chunk of "
+                f"{num_updates} updates must give one value per update, shape ({num_updates},)"
+            )
