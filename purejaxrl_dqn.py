@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from utils.cli import RunConfig, exit_on_config_error, parse_config, require_positive
+from utils.cli import EpisodeRunConfig, exit_on_config_error, parse_config, require_positive
 from utils.devices import DEVICE_AXIS, device_mean
 from utils.driver import run_training
 from utils.envs import env_family, env_spec, episode_metrics, make_env
@@ -37,7 +37,7 @@ from utils.trainer import Runtime, Trainer, hyperparams_of
 
 
 @dataclasses.dataclass
-class Config(RunConfig):
+class Config(EpisodeRunConfig):
     """DQN (Double DQN, n-step returns, dueling head) on gymnax environments with discrete
     actions, compiled end to end with JAX."""
 
@@ -323,6 +323,7 @@ def validate(config: Config, runtime: Runtime) -> None:
         "gradient_steps",
         "n_step",
     )
+    require_positive(config, "eval_episodes", minimum=0)
     if not config.hidden_sizes or min(config.hidden_sizes) < 1:
         raise ConfigError(
             f"--hidden-sizes must be one or more sizes >= 1, got {config.hidden_sizes}"
@@ -546,9 +547,9 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
         hyperparams=hyperparams_of(HyperParams, config),
         init=init,
         train_chunk=train_chunk,
-        evaluate=evaluate,
+        evaluate=evaluate if config.eval_episodes else None,
         runtime=runtime,
-        greedy_policy=greedy_policy,
+        video_policy=greedy_policy if config.capture_video else None,
     )
 
 

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from utils.cli import RunConfig, exit_on_config_error, parse_config, require_positive
+from utils.cli import EpisodeRunConfig, exit_on_config_error, parse_config, require_positive
 from utils.devices import DEVICE_AXIS, device_mean
 from utils.driver import run_training
 from utils.envs import env_spec, episode_metrics, make_env
@@ -30,7 +30,7 @@ from utils.trainer import Runtime, Trainer, hyperparams_of
 
 
 @dataclasses.dataclass
-class Config(RunConfig):
+class Config(EpisodeRunConfig):
     """PPO (clipped surrogate, GAE) on gymnax environments, compiled end to end with JAX."""
 
     env: str = "CartPole"
@@ -339,6 +339,7 @@ def validate(config: Config, runtime: Runtime) -> None:
         "update_epochs",
         "hidden_size",
     )
+    require_positive(config, "eval_episodes", minimum=0)
     if config.num_envs % runtime.num_devices:
         raise ConfigError(
             f"--num-envs {config.num_envs} is not divisible by the {runtime.num_devices} devices"
@@ -537,9 +538,9 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
         hyperparams=hyperparams_of(HyperParams, config),
         init=init,
         train_chunk=train_chunk,
-        evaluate=evaluate,
+        evaluate=evaluate if config.eval_episodes else None,
         runtime=runtime,
-        greedy_policy=greedy_policy,
+        video_policy=greedy_policy if config.capture_video else None,
     )
 
 

@@ -105,7 +105,7 @@ def main(args: Args) -> dict:
                 "per_second_all_seeds": round(summary["steps_per_second"]),
                 "compile_seconds": round(summary["compile_seconds"], 2),
                 "wall_seconds": round(summary["wall_seconds"], 2),
-                "final": summary["final_return_mean"],
+                "final": summary["final_mean"],
             }
     results["total_seconds"] = round(time.perf_counter() - start, 1)
     write_json(args.out, results)

@@ -113,7 +113,7 @@ def main(args: Args) -> list[dict]:
                     "compile_seconds": round(summary["compile_seconds"], 2),
                     "random_policy_steps_per_second": round(limit),
                     "ratio_to_random_policy": round(summary["steps_per_second"] / limit, 3),
-                    "final_return": summary["final_return_mean"],
+                    "final": summary["final_mean"],
                     "devices": f"{jax.local_device_count()} x {jax.devices()[0].device_kind}",
                 }
             )

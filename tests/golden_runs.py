@@ -76,7 +76,7 @@ RUNS = {
     "az_tic_tac_toe": ("purejaxrl_az", _AZ),
 }
 # summary.json entries that the run computes (not timings or paths)
-SUMMARY_KEYS = ("final_return_per_seed", "eval_return_per_seed", "final_metrics_per_seed")
+SUMMARY_KEYS = ("final_per_seed", "eval_return_per_seed", "final_metrics_per_seed")
 
 
 def recording_conditions() -> dict:

@@ -459,5 +459,5 @@ def test_cartpole_reaches_400_within_2e5_steps_on_two_seeds(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     summary = summary_of_only_run(tmp_path)
-    assert min(summary["final_return_per_seed"]) >= 400, summary["final_return_per_seed"]
+    assert min(summary["final_per_seed"]) >= 400, summary["final_per_seed"]
     assert min(summary["eval_return_per_seed"]) >= 400, summary["eval_return_per_seed"]

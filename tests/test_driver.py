@@ -79,7 +79,7 @@ def make_stub(read_in_chunk: str | None = None, read_in_build: str | None = None
             hyperparams=hyperparams_of(StubHyperParams, config),
             init=lambda key, hp: {"x": jax.random.uniform(key), "hp": hp},
             train_chunk=train_chunk,
-            evaluate=lambda state, key: jnp.full(config.eval_episodes, state["x"]),
+            evaluate=lambda state, key: jnp.full(2, state["x"]),  # two "episodes"
             runtime=runtime or Runtime(),
         )
 
@@ -124,12 +124,13 @@ def test_run_directory_has_every_output(tmp_path):
     assert saved == json.loads(json.dumps(summary))
     x = np.array([[float(r["episode_return"]) for r in rows[s::2]] for s in range(2)])
     # final: the mean over the last 10% of updates (at least one); eval: the final state's
-    assert saved["final_return_per_seed"] == pytest.approx(x[:, -1].tolist())
+    assert saved["final_per_seed"] == pytest.approx(x[:, -1].tolist())
     assert saved["eval_return_per_seed"] == pytest.approx(x[:, -1].tolist())
     assert saved["final_metrics_per_seed"][1]["loss"] == pytest.approx(float(rows[-1]["loss"]))
     for key in ("steps_per_second", "compile_seconds", "wall_seconds", "train_seconds"):
         assert saved[key] > 0
     assert saved["env_steps_per_seed"] == 80 and saved["num_devices"] == 1
+    assert saved["eval_episodes"] == 2
     assert saved["headline_metric"] == "episode_return" and saved["resumed_from_update"] is None
     assert os.path.getsize(os.path.join(run_dir, "learning_curve.png")) > 1000
 
@@ -141,7 +142,7 @@ def test_same_seed_same_numbers_and_seed_i_equals_a_single_run(tmp_path):
     np.testing.assert_array_equal(
         metric_table(together["run_dir"], 2), metric_table(alone["run_dir"], 0)
     )
-    assert len(set(together["final_return_per_seed"])) == 3  # seeds differ
+    assert len(set(together["final_per_seed"])) == 3  # seeds differ
 
 
 def test_sweep_configuration_equals_a_single_run(tmp_path):
@@ -153,11 +154,11 @@ def test_sweep_configuration_equals_a_single_run(tmp_path):
     assert sweep["seeds"] == [1, 2] * 4
     ranking = sweep["sweep"]["ranking"]
     assert sweep["sweep"]["parameters"] == ["rate", "limit"]
-    means = [r["final_return_mean"] for r in ranking]
+    means = [r["final_mean"] for r in ranking]
     assert means == sorted(means, reverse=True)
     third = next(r for r in ranking if r["config"] == 2)
     assert third["hyperparams"] == {"rate": 0.5, "limit": 1}
-    assert third["final_return_per_seed"] == sweep["final_return_per_seed"][4:6]
+    assert third["final_per_seed"] == sweep["final_per_seed"][4:6]
     rows = read_rows(run_dir)
     assert [(r["config"], r["seed"], r["rate"], r["limit"]) for r in rows[4:6]] == [
         ("2", "0", "0.5", "1"),

@@ -19,7 +19,7 @@ def test_cartpole_reaches_475_within_5e5_steps_on_two_seeds(tmp_path):
     assert result.returncode == 0, result.stderr
     summary = summary_of_only_run(tmp_path)
     assert summary["env_steps_per_seed"] <= 500_000
-    assert min(summary["final_return_per_seed"]) >= 475, summary["final_return_per_seed"]
+    assert min(summary["final_per_seed"]) >= 475, summary["final_per_seed"]
     assert min(summary["eval_return_per_seed"]) >= 475, summary["eval_return_per_seed"]
 
 
@@ -37,4 +37,4 @@ def test_two_devices_run_and_learn(tmp_path):
     assert result.returncode == 0, result.stderr
     summary = summary_of_only_run(tmp_path)
     assert summary["num_devices"] == 2
-    assert summary["final_return_per_seed"][0] >= 475, summary
+    assert summary["final_per_seed"][0] >= 475, summary

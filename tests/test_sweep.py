@@ -80,11 +80,11 @@ def test_sweep_configuration_equals_a_single_run(tiny_ppo_args):
     ranking = sweep["sweep"]["ranking"]
     assert sweep["sweep"]["parameters"] == ["learning_rate", "vf_coef"]
     assert sorted(r["config"] for r in ranking) == [0, 1, 2, 3]
-    means = [r["final_return_mean"] for r in ranking]
+    means = [r["final_mean"] for r in ranking]
     assert means == sorted(means, reverse=True)
     third = next(r for r in ranking if r["config"] == 2)
     assert third["hyperparams"] == {"learning_rate": 3e-4, "vf_coef": 0.5}
-    assert third["final_return_per_seed"] == sweep["final_return_per_seed"][4:6]
+    assert third["final_per_seed"] == sweep["final_per_seed"][4:6]
     with open(os.path.join(sweep["run_dir"], "metrics.csv"), newline="") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 8 * 8  # updates x (configurations x seeds)

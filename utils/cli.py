@@ -58,22 +58,29 @@ class RunConfig:
     """show a progress bar with return, steps/s and ETA"""
     updates_per_chunk: int = 0
     """updates per compiled chunk; between chunks the driver logs and checkpoints (0: automatic)"""
-    eval_episodes: int = 10
-    """greedy evaluation episodes of the final policy, per seed (0 to skip)"""
-    capture_video: bool = False
-    """after training, film one greedy episode of the first seed with gymnax's renderer into
-    RUN_DIR/videos/final.gif (and wandb with --track)"""
     runs_dir: str = "runs"
     """folder that holds one directory per run"""
     resume: str | None = None
     """continue the run in this run directory from its latest checkpoint"""
 
 
+@dataclasses.dataclass
+class EpisodeRunConfig(RunConfig):
+    """Run flags of the trainers that play gymnax episodes: the evaluation and the video after
+    training."""
+
+    eval_episodes: int = 10
+    """greedy evaluation episodes of the final policy, per seed (0 to skip)"""
+    capture_video: bool = False
+    """after training, film one greedy episode of the first seed with gymnax's renderer into
+    RUN_DIR/videos/final.gif (and wandb with --track)"""
+
+
 # Fields that may differ from the saved config when resuming: they change how the run is
 # watched, not what it computes.
 RESUMABLE_OVERRIDES = frozenset(
     {"resume", "progress", "updates_per_chunk", "track", "wandb_project_name", "wandb_entity"}
-    | {"eval_episodes", "runs_dir", "capture_video"}
+    | {"eval_episodes", "runs_dir", "capture_video", "eval_games", "record_games"}
 )
 
 
@@ -139,12 +146,12 @@ def parse_config(
     return config
 
 
-def require_positive(config, *names: str) -> None:
-    """ConfigError for the first of these integer fields that is below 1."""
+def require_positive(config, *names: str, minimum: int = 1) -> None:
+    """ConfigError for the first of these integer fields that is below `minimum`."""
     for name in names:
-        if getattr(config, name) < 1:
+        if getattr(config, name) < minimum:
             flag = "--" + name.replace("_", "-")
-            raise ConfigError(f"{flag} must be >= 1, got {getattr(config, name)}")
+            raise ConfigError(f"{flag} must be >= {minimum}, got {getattr(config, name)}")
 
 
 @contextlib.contextmanager

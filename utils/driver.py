@@ -81,8 +81,6 @@ def check_run_config(config) -> None:
         raise ConfigError(f"--num-seeds must be >= 1, got {config.num_seeds}")
     if config.updates_per_chunk < 0:
         raise ConfigError(f"--updates-per-chunk must be >= 0, got {config.updates_per_chunk}")
-    if config.eval_episodes < 0:
-        raise ConfigError(f"--eval-episodes must be >= 0, got {config.eval_episodes}")
 
 
 def _new_run_dir(config, trainer: Trainer) -> str:
@@ -179,16 +177,16 @@ def _sweep_ranking(overrides: list[dict], finals: list[float], evals: list[float
             {
                 "config": k,
                 "hyperparams": values,
-                "final_return_mean": float(np.nanmean(config_finals)),
-                "final_return_std": float(np.nanstd(config_finals)),
-                "final_return_per_seed": config_finals,
+                "final_mean": float(np.nanmean(config_finals)),
+                "final_std": float(np.nanstd(config_finals)),
+                "final_per_seed": config_finals,
                 "eval_return_mean": float(np.mean(config_evals)),
                 "eval_return_per_seed": config_evals,
             }
         )
     return sorted(
         ranking,
-        key=lambda r: -r["final_return_mean"] if np.isfinite(r["final_return_mean"]) else np.inf,
+        key=lambda r: -r["final_mean"] if np.isfinite(r["final_mean"]) else np.inf,
     )
 
 
@@ -417,28 +415,25 @@ def train_in_chunks(plan: RunPlan, state, start_update: int, clock: _Clock, wand
     return state
 
 
-def _evaluate_final(plan: RunPlan, state, clock: _Clock) -> list[float]:
-    """Mean greedy return of each run, [runs]; NaN without an evaluation after training."""
+def _evaluate_final(plan: RunPlan, state, clock: _Clock) -> np.ndarray | None:
+    """The trainer's evaluation after training: episode returns [runs, episodes], or None."""
     trainer = plan.trainer
-    if plan.config.eval_episodes <= 0 or trainer.evaluate is None:
-        return [float("nan")] * plan.num_runs
+    if trainer.evaluate is None:
+        return None
     first_device_state = jax.tree.map(lambda x: x[0], state)
     eval_keys = jax.vmap(lambda k: jax.random.fold_in(k, 1))(plan.run_keys)
     start = time.perf_counter()
     evaluate = jax.jit(jax.vmap(trainer.evaluate)).lower(first_device_state, eval_keys).compile()
     clock.compile_seconds += time.perf_counter() - start
-    return np.asarray(evaluate(first_device_state, eval_keys)).mean(axis=1).tolist()
+    return np.asarray(evaluate(first_device_state, eval_keys))
 
 
 def _capture_video(plan: RunPlan, state, wandb_sink) -> None:
     """--capture-video: one greedy episode of the first run, as RUN_DIR/videos/final.gif."""
     trainer = plan.trainer
-    if trainer.greedy_policy is None:
-        print(f"--capture-video: {trainer.algo} records no episode video")
-        return
     video_path = write_episode_gif(
         trainer.env_id,
-        trainer.greedy_policy(jax.tree.map(lambda x: x[0, 0], state)),  # device 0, run 0
+        trainer.video_policy(jax.tree.map(lambda x: x[0, 0], state)),  # device 0, run 0
         jax.random.fold_in(plan.run_keys[0], 2),
         os.path.join(plan.run_dir, "videos", "final.gif"),
     )
@@ -446,12 +441,14 @@ def _capture_video(plan: RunPlan, state, wandb_sink) -> None:
         wandb_sink.log_video(video_path)
 
 
-def _summary(plan: RunPlan, columns: dict, eval_returns: list, start_update: int, clock) -> dict:
+def _summary(plan: RunPlan, columns: dict, evaluation, start_update: int, clock) -> dict:
     """summary.json: lists "per seed" hold one entry per run, configuration-major when
-    sweeping."""
+    sweeping. "final_*" is the headline metric over the last updates; "eval_return_*" the mean
+    return of the evaluation after training (null without one)."""
     trainer, config = plan.trainer, plan.config
     num_seeds, num_runs = config.num_seeds, plan.num_runs
-    final_returns = _final_values(
+    eval_returns = [float("nan")] * num_runs if evaluation is None else evaluation.mean(1).tolist()
+    final_values = _final_values(
         columns, trainer.headline_metric, num_seeds, num_runs, trainer.num_updates
     )
     metric_names = [n for n in columns if n not in ("update", "env_steps", *plan.run_columns)]
@@ -468,10 +465,10 @@ def _summary(plan: RunPlan, columns: dict, eval_returns: list, start_update: int
         "num_updates": trainer.num_updates,
         "env_steps_per_seed": trainer.num_updates * trainer.steps_per_update,
         "headline_metric": trainer.headline_metric,
-        "final_return_per_seed": final_returns,
-        "final_return_mean": float(np.nanmean(final_returns)),
-        "final_return_std": float(np.nanstd(final_returns)),
-        "eval_episodes": config.eval_episodes,
+        "final_per_seed": final_values,
+        "final_mean": float(np.nanmean(final_values)),
+        "final_std": float(np.nanstd(final_values)),
+        "eval_episodes": 0 if evaluation is None else evaluation.shape[1],
         "eval_return_per_seed": eval_returns,
         "eval_return_mean": float(np.mean(eval_returns)),
         "eval_return_std": float(np.std(eval_returns)),
@@ -488,7 +485,7 @@ def _summary(plan: RunPlan, columns: dict, eval_returns: list, start_update: int
         summary["sweep"] = {
             "parameters": list(plan.overrides[0]),
             "num_configs": len(plan.overrides),
-            "ranking": _sweep_ranking(plan.overrides, final_returns, eval_returns),
+            "ranking": _sweep_ranking(plan.overrides, final_values, eval_returns),
         }
     return summary
 
@@ -496,15 +493,15 @@ def _summary(plan: RunPlan, columns: dict, eval_returns: list, start_update: int
 def _result_line(plan: RunPlan, summary: dict) -> str:
     """The one line a finished run prints."""
     trainer, config = plan.trainer, plan.config
-    evaluated = config.eval_episodes and trainer.evaluate is not None
+    evaluated = trainer.evaluate is not None
     headline = "return" if trainer.headline_metric == "episode_return" else trainer.headline_metric
     best = summary
-    result = f"final {headline} {best['final_return_mean']:.3g} ± {best['final_return_std']:.2g}"
+    result = f"final {headline} {best['final_mean']:.3g} ± {best['final_std']:.2g}"
     if config.sweep:
         best = summary["sweep"]["ranking"][0]
         result = (
             f"best of {len(plan.overrides)} configs {config_label(best['hyperparams'])}: final "
-            f"{headline} {best['final_return_mean']:.3g} ± {best['final_return_std']:.2g}"
+            f"{headline} {best['final_mean']:.3g} ± {best['final_std']:.2g}"
         )
     evaluation = f"eval {best['eval_return_mean']:.1f}, " if evaluated else ""
     return (
@@ -519,7 +516,7 @@ def report(plan: RunPlan, state, start_update: int, clock: _Clock, wandb_sink) -
     """Process 0 after training: evaluation, video, summary.json, the learning curve, wandb's
     summary and the one-line result."""
     eval_returns = _evaluate_final(plan, state, clock)
-    if plan.config.capture_video:
+    if plan.trainer.video_policy is not None:
         _capture_video(plan, state, wandb_sink)
     summary = _summary(plan, read_metrics_csv(plan.csv_path), eval_returns, start_update, clock)
     write_json(os.path.join(plan.run_dir, "summary.json"), summary)

@@ -68,12 +68,13 @@ class Trainer:
     # at this update" (no episode ended, no evaluation ran). Outputs named "record_*" have any
     # shape and go to `write_records` instead of metrics.csv.
     train_chunk: Callable
-    # (state, key) -> episode returns [eval_episodes], run once after training; None when the
-    # trainer evaluates inside its chunks instead
+    # (state, key) -> episode returns [episodes], run once after training; None for no
+    # evaluation then (--eval-episodes 0, or a trainer that evaluates inside its chunks)
     evaluate: Callable | None
     runtime: Runtime  # what the trainer was built for
-    # (state) -> (obs batch -> action batch), the greedy policy that --capture-video films
-    greedy_policy: Callable | None = None
+    # (state) -> (obs batch -> action batch): the policy whose episode is filmed after training
+    # (--capture-video); None for no video
+    video_policy: Callable | None = None
     # (run_dir, update, records) -> written files, on the host after a chunk with records
     write_records: Callable | None = None
     headline_metric: str = "episode_return"  # the progress bar's number and the final value
