@@ -2,8 +2,16 @@
 
 import jax
 import numpy as np
+import pytest
 
-from utils.devices import DEVICE_AXIS, device_mean, device_sum, unroll_threefry_on_cpu
+from utils.devices import (
+    DEVICE_AXIS,
+    device_mean,
+    device_sum,
+    split_cpu_host,
+    unroll_threefry_on_cpu,
+)
+from utils.errors import ConfigError
 
 
 def test_unrolled_threefry_draws_the_same_numbers_without_a_loop():
@@ -34,3 +42,11 @@ def test_device_reductions_are_the_identity_on_one_device():
     total, mean = one(np.arange(3.0)[None])
     np.testing.assert_array_equal(total[0], [0.0, 1.0, 2.0])
     np.testing.assert_array_equal(mean[0], [0.0, 1.0, 2.0])
+
+
+def test_a_process_not_started_as_a_script_is_never_restarted():
+    """Under pytest (python -m pytest), as in a notebook, a CPU split that needs a restart is
+    refused with a sentence instead of re-executing the interpreter."""
+    with pytest.raises(ConfigError, match="needs a fresh process.*XLA_FLAGS="):
+        split_cpu_host(jax.local_device_count() + 1)
+    split_cpu_host(0)  # nothing to change: no restart, no error

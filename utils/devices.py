@@ -99,6 +99,13 @@ def split_cpu_host(num_cpu_devices: int, processes: dict | None = None) -> None:
     join = processes is not None and not jax.distributed.is_initialized()
     if not (resplit or join):
         return
+    if resplit and not _started_as_a_script():
+        raise ConfigError(
+            f"--cpu-devices {num_cpu_devices}: splitting the CPU needs a fresh process, and this "
+            "one was not started as a script (a notebook, python -m or an import); start Python "
+            f"with XLA_FLAGS={_DEVICE_COUNT_FLAG}={num_cpu_devices} instead, or set "
+            "--cpu-devices 0"
+        )
     asked = f"cpu_devices={num_cpu_devices if split else 0} join={join}"
     if os.environ.get(_RESTARTED) == asked:
         raise ConfigError(
@@ -123,6 +130,15 @@ def split_cpu_host(num_cpu_devices: int, processes: dict | None = None) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(sys.executable, command)
+
+
+def _started_as_a_script() -> bool:
+    """Whether restarting this process with the same arguments reruns what the user started:
+    `python script.py ...` or `python -c CODE ...`, not `python -m` (e.g. a Jupyter kernel)
+    or an interactive interpreter."""
+    args = sys.orig_argv[1:]
+    interactive = hasattr(sys, "ps1") or sys.flags.interactive
+    return not interactive and bool(args) and (args[0] == "-c" or os.path.isfile(args[0]))
 
 
 # What split_cpu_host restarted this process for, so that it never restarts in a loop.
