@@ -4,7 +4,7 @@ import tempfile
 
 import pytest
 
-from tests.helpers import LLVM_LEVEL_FLAG
+from tests.helpers import LLVM_LEVEL_FLAG, TINY_PPO
 from utils.devices import xla_flags_with
 
 # Tests never talk to wandb's servers.
@@ -43,15 +43,4 @@ def pytest_unconfigure(config):
 @pytest.fixture
 def tiny_ppo_args(tmp_path):
     """A PPO CartPole run of 8 updates in 4 chunks: compiles in seconds, runs in a blink."""
-    return [
-        "--env", "CartPole",
-        "--num-envs", "4",
-        "--num-steps", "16",
-        "--num-minibatches", "2",
-        "--update-epochs", "2",
-        "--total-timesteps", "512",
-        "--updates-per-chunk", "2",
-        "--eval-episodes", "2",
-        "--no-progress",
-        "--runs-dir", str(tmp_path / "runs"),
-    ]  # fmt: skip
+    return ["--env", "CartPole", *TINY_PPO, "--no-progress", "--runs-dir", str(tmp_path / "runs")]

@@ -19,61 +19,22 @@ import sys
 import tempfile
 from pathlib import Path
 
+from tests.helpers import TINY_AZ, TINY_DQN, TINY_PPO
+
 GOLDEN_DIR = Path(__file__).resolve().parent / "golden"
 RECORDED = GOLDEN_DIR / "recorded.json"
 
-_PPO = [
-    "--num-envs", "4",
-    "--num-steps", "16",
-    "--num-minibatches", "2",
-    "--update-epochs", "2",
-    "--total-timesteps", "512",
-    "--updates-per-chunk", "2",
-    "--eval-episodes", "2",
-]  # fmt: skip
-_DQN = [
-    "--env", "CartPole",
-    "--num-envs", "4",
-    "--train-frequency", "4",
-    "--total-timesteps", "512",
-    "--learning-starts", "128",
-    "--buffer-size", "256",
-    "--batch-size", "16",
-    "--target-network-frequency", "64",
-    "--n-step", "3",
-    "--hidden-sizes", "16", "16",
-    "--updates-per-chunk", "8",
-    "--eval-episodes", "2",
-]  # fmt: skip
-_AZ = [
-    "--env", "tic_tac_toe",
-    "--num-iterations", "4",
-    "--eval-every", "2",
-    "--num-games", "16",
-    "--rollout-steps", "4",
-    "--buffer-size", "128",
-    "--minibatch-size", "32",
-    "--updates-per-iteration", "2",
-    "--num-blocks", "1",
-    "--num-channels", "8",
-    "--num-simulations", "4",
-    "--max-num-considered-actions", "4",
-    "--eval-episodes", "8",
-    "--baseline-sims", "4",
-    "--cpu-devices", "0",
-]  # fmt: skip
-
 # name -> (trainer module, flags). Every run uses one device.
 RUNS = {
-    "ppo_cartpole": ("purejaxrl_ppo", ["--env", "CartPole", *_PPO]),
+    "ppo_cartpole": ("purejaxrl_ppo", ["--env", "CartPole", *TINY_PPO]),
     "ppo_pendulum": (
         "purejaxrl_ppo",
-        ["--env", "Pendulum", *_PPO, "--num-steps", "32", "--total-timesteps", "1024"],
+        ["--env", "Pendulum", *TINY_PPO, "--num-steps", "32", "--total-timesteps", "1024"],
     ),
-    "ppo_cartpole_2_seeds": ("purejaxrl_ppo", ["--env", "CartPole", *_PPO, "--num-seeds", "2"]),
-    "dqn_cartpole": ("purejaxrl_dqn", _DQN),
-    "dqn_cartpole_sweep": ("purejaxrl_dqn", [*_DQN, "--sweep", "gamma=0.9,0.99"]),
-    "az_tic_tac_toe": ("purejaxrl_az", _AZ),
+    "ppo_cartpole_2_seeds": ("purejaxrl_ppo", ["--env", "CartPole", *TINY_PPO, "--num-seeds", "2"]),
+    "dqn_cartpole": ("purejaxrl_dqn", TINY_DQN),
+    "dqn_cartpole_sweep": ("purejaxrl_dqn", [*TINY_DQN, "--sweep", "gamma=0.9,0.99"]),
+    "az_tic_tac_toe": ("purejaxrl_az", TINY_AZ),
 }
 # summary.json entries that the run computes (not timings or paths)
 SUMMARY_KEYS = ("final_per_seed", "eval_return_per_seed", "final_metrics_per_seed")

@@ -15,6 +15,52 @@ from utils.devices import xla_flags_with, xla_flags_with_cpu_devices
 REPO = Path(__file__).resolve().parent.parent
 
 
+# The tiny runs the tests train, and the golden runs record: PPO's takes an --env, 8 updates in
+# 4 chunks; DQN's 32 updates in 4 chunks, its 256-transition buffer wraps around and it learns
+# from update 8 on; AlphaZero's 4 iterations in 2 chunks, each ending in an evaluation. Each
+# compiles in seconds (AlphaZero: well under a minute) and runs in a blink.
+TINY_PPO = [
+    "--num-envs", "4",
+    "--num-steps", "16",
+    "--num-minibatches", "2",
+    "--update-epochs", "2",
+    "--total-timesteps", "512",
+    "--updates-per-chunk", "2",
+    "--eval-episodes", "2",
+]  # fmt: skip
+TINY_DQN = [
+    "--env", "CartPole",
+    "--num-envs", "4",
+    "--train-frequency", "4",
+    "--total-timesteps", "512",
+    "--learning-starts", "128",
+    "--buffer-size", "256",
+    "--batch-size", "16",
+    "--target-network-frequency", "64",
+    "--n-step", "3",
+    "--hidden-sizes", "16", "16",
+    "--updates-per-chunk", "8",
+    "--eval-episodes", "2",
+]  # fmt: skip
+TINY_AZ = [
+    "--env", "tic_tac_toe",
+    "--num-iterations", "4",
+    "--eval-every", "2",
+    "--num-games", "16",
+    "--rollout-steps", "4",
+    "--buffer-size", "128",
+    "--minibatch-size", "32",
+    "--updates-per-iteration", "2",
+    "--num-blocks", "1",
+    "--num-channels", "8",
+    "--num-simulations", "4",
+    "--max-num-considered-actions", "4",
+    "--eval-episodes", "8",
+    "--baseline-sims", "4",
+    "--cpu-devices", "0",
+]  # fmt: skip
+
+
 # XLA:CPU's LLVM optimisation level, 0-3 (XLA's default: 3).
 LLVM_LEVEL_FLAG = "--xla_backend_optimization_level"
 

@@ -47,6 +47,6 @@ def test_device_reductions_are_the_identity_on_one_device():
 def test_a_process_not_started_as_a_script_is_never_restarted():
     """Under pytest (python -m pytest), as in a notebook, a CPU split that needs a restart is
     refused with a sentence instead of re-executing the interpreter."""
-    with pytest.raises(ConfigError, match="needs a fresh process.*XLA_FLAGS="):
+    with pytest.raises(ConfigError, match=r"needs a fresh process.*XLA_FLAGS="):
         split_cpu_host(jax.local_device_count() + 1)
     split_cpu_host(0)  # nothing to change: no restart, no error

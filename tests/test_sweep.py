@@ -10,8 +10,7 @@ import pytest
 
 import purejaxrl_dqn
 import purejaxrl_ppo
-from tests.helpers import assert_seed_matches_single_run, checkpoint_leaves, metric_table
-from tests.test_dqn import tiny_args as tiny_dqn_args
+from tests.helpers import TINY_DQN, assert_seed_matches_single_run, checkpoint_leaves, metric_table
 from utils.cli import parse_config
 from utils.driver import run_training
 from utils.errors import ConfigError
@@ -53,7 +52,7 @@ def test_configurations_are_the_product_with_typed_values():
     ],
 )
 def test_bad_sweeps_are_refused_before_compiling(tmp_path, sweep, message):
-    args = [*tiny_dqn_args(tmp_path), "--sweep", *sweep]
+    args = [*TINY_DQN, "--no-progress", "--runs-dir", str(tmp_path), "--sweep", *sweep]
     config = parse_config(purejaxrl_dqn.Config, purejaxrl_dqn.PRESETS, args)
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         run_training(config, purejaxrl_dqn.make_train, purejaxrl_dqn.validate)
