@@ -1,7 +1,7 @@
 """AlphaZero for two-player board games from pgx: self-play with MCTS (mctx), value and policy
 targets, an on-device replay buffer, SGD and evaluation, all in one compiled JAX program.
 
-    python purejaxrl_az.py --env tic_tac_toe          # perfect play in a few CPU minutes
+    python purejaxrl_az.py --env tic_tac_toe          # near-perfect play by iteration 30 of 100
     python purejaxrl_az.py --env connect_four --cpu-devices 2
     python purejaxrl_az.py --env othello --search puct --temperature 1.0
 
@@ -112,19 +112,18 @@ class Config(RunConfig):
     """simulations of the plain MCTS opponent (uniform priors, random-rollout values)"""
     cpu_devices: int = -1
     """on a CPU-only host, split the CPU into this many XLA devices, games split over them
-    (-1: one per core, 2.1-2.3x the moves/s of one device on 2 cores; 0: JAX's single CPU
-    device). Ignored on GPU/TPU hosts"""
+    (-1: one per core, the fastest for self-play; 0: JAX's single CPU device). Ignored on
+    GPU/TPU hosts"""
     capture_video: bool = False
     """at each evaluation, write one game per opponent and seat as an SVG animation (pgx's
     renderer) into RUN_DIR/games/ (and wandb with --track)"""
 
 
 # Defaults per game; any flag overrides them. Small games get a small network and many games
-# at once; the CPU throughput figures in the README use these. tic_tac_toe plays 128 games,
-# keeps 32 iterations of them, and explores with twice the Gumbel noise: at scale 1 self-play
+# at once; docs/benchmarks.md measures self-play at these. tic_tac_toe plays 128 games, keeps
+# 32 iterations of them, and explores with twice the Gumbel noise: at scale 1 self-play
 # settles on the prior's favourite among equally good moves, and the positions the minimax
-# player steers into are never trained on. At scale 1 three seeds each lost games to it again
-# in evaluations 50-100 (up to 14%); at scale 2 seven seeds lost none from iteration 30 on.
+# player steers into are never trained on. The runs behind this: docs/alphazero.md, "Results".
 PRESETS = {
     "tic_tac_toe": dict(num_games=128, buffer_size=65_536, gumbel_scale=2.0),
     "connect_four": dict(

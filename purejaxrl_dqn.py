@@ -92,19 +92,17 @@ class Config(EpisodeRunConfig):
 
 # Defaults per env family; any flag overrides them. Continuous action spaces are rejected.
 # "classic" is the PureJaxRL / CleanRL CartPole setting (one gradient step of 128 transitions per
-# 10 env steps, target copied every 500 env steps, MSE loss as in CleanRL; Huber diverged on
-# CartPole here) plus Double DQN, 3-step returns and a 128-128 network: with their 120-84 network
-# four seeds ended at 499, 500, 327 and 489 at 5e5 steps, against 499, 498, 500 and 495. 3-step
-# is Rainbow's value: on CartPole it reached a training return of 430+ by 2e5 env steps in 4 of
-# 5 seeds against 1 of 5 for 1-step, with the same final return (~490). Its off-policy bias
-# stays small because windows stop at episode ends and epsilon is low for most of training;
-# --n-step 1 gives classic DQN targets.
+# 10 env steps, target copied every 500 env steps, MSE loss as in CleanRL, since Huber diverged
+# on CartPole) plus Double DQN, 3-step returns (Rainbow's value) and a 128-128 network, which
+# on CartPole learned faster and ended more reliably near the maximum. The n-step windows'
+# off-policy bias stays small because windows stop at episode ends and epsilon is low for most
+# of training; --n-step 1 gives classic DQN targets.
 # "minatar" follows the MinAtar paper's DQN (Young & Tian, 2019: 3x3x16 conv + 128 dense, 100k
 # memory, Huber loss) scaled to 128 parallel envs: 2 gradient steps of 128 per 128 env steps
 # (2 replayed transitions per env step, 1/16 of the paper's replay ratio), a target copy every
 # 10k env steps (~156 gradient steps; the paper: 1000), and CleanRL's Atari epsilon (1 -> 0.01
-# over 10% of training). Checked on CPU only: this preset cut to 1e6 steps reached a return of
-# 7.8 on Breakout (one seed; random play scores under 1).
+# over 10% of training).
+# The runs behind these choices: docs/dqn.md, "Results".
 PRESETS = {
     "classic": {},
     "minatar": dict(

@@ -77,10 +77,10 @@ class Config(EpisodeRunConfig):
 
 # Defaults per env family; any flag overrides them. "classic" is PureJaxRL's CartPole setting.
 # "minatar" is PureJaxRL's MinAtar batch (64 envs x 128 steps, 8 minibatches) with a wider
-# network, a larger entropy bonus and a larger learning rate: at 64 units, or with ent_coef 0.01,
-# seeds often collapsed to a near-deterministic policy stuck at a return of about 6 on Breakout
-# within 1e6 steps; at learning rate 5e-4 four seeds reached 30.9 at 1e7 steps, at 1e-3 58.5.
-# The MLP torso, not "cnn", because XLA:CPU runs the convolution several times slower.
+# network, a larger entropy bonus and a larger learning rate: with PureJaxRL's network and
+# bonus, Breakout seeds often collapsed to a near-deterministic policy, and the larger learning
+# rate ended higher. The MLP torso, not "cnn", because XLA:CPU runs the convolution slowly.
+# The runs behind these choices: docs/ppo.md, "Results".
 PRESETS = {
     "classic": {},
     "minatar": dict(

@@ -21,10 +21,10 @@ if _OWNS_CACHE:
 os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ[_CACHE_VARIABLE]
 
 # The suite compiles dozens of programs that then run for a second or two, so XLA's LLVM
-# backend works at optimisation level 0, which compiles fastest: the non-learning tests took
-# 18% less time than at level 1. The learning tests train for tens of seconds, where code
-# compiled at level 0 ran up to 1.8x slower; they run in subprocesses at level 1
-# (`run_script(..., llvm_level=1)`). Subprocesses otherwise inherit level 0.
+# backend works at optimisation level 0, which compiles fastest. The learning tests train for
+# tens of seconds, where code compiled at level 0 runs markedly slower; they run in
+# subprocesses at level 1 (`run_script(..., llvm_level=1)`). Subprocesses otherwise inherit
+# level 0. The timings are in docs/benchmarks.md, "Test suite".
 if LLVM_LEVEL_FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = xla_flags_with(LLVM_LEVEL_FLAG, 0)
 

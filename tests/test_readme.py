@@ -1,5 +1,6 @@
-"""The README's commands keep working: the Run examples parse and build (no compile), and the
-"Make it yours" guide, followed step by step on a copy of the repository, trains and tests."""
+"""The documented commands keep working: the README's Run examples and docs/multi-host.md's
+commands parse and build (no compile), and the README's "Make it yours" guide, followed step by
+step on a copy of the repository, trains and tests."""
 
 import importlib
 import re
@@ -18,13 +19,13 @@ from utils.devices import process_group
 from utils.sweep import sweep_configs
 from utils.trainer import Runtime
 
-README = (REPO / "README.md").read_text()
 
-
-def section(title: str) -> str:
-    start = README.index(f"## {title}\n")
-    end = README.find("\n## ", start + 1)
-    return README[start : end if end != -1 else None]
+def section(title: str, document: str = "README.md") -> str:
+    """The `## title` section of a Markdown file of the repository, up to the next `## `."""
+    text = (REPO / document).read_text()
+    start = text.index(f"## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end != -1 else None]
 
 
 def code_blocks(text: str, language: str | None = None) -> list[str]:
@@ -67,8 +68,8 @@ def test_run_section_commands_parse_and_build(argv):
     assert sweep_configs(config, trainer.hyperparams._fields)
 
 
-def test_many_machines_commands_name_a_process_group():
-    found = commands(section("Many machines"), "python purejaxrl_")
+def test_multi_host_commands_name_a_process_group():
+    found = commands(section("Start the processes", "docs/multi-host.md"), "python purejaxrl_")
     assert len(found) == 2
     for process_id, argv in enumerate(found):
         config = parse_config(purejaxrl_ppo.Config, purejaxrl_ppo.PRESETS, argv[2:])

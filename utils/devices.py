@@ -16,8 +16,9 @@ DEVICE_AXIS = "device"
 
 def device_sum(tree):
     """`psum` over DEVICE_AXIS. With one device it is the identity: XLA would still run a
-    one-device all-reduce, a few percent of a small DQN update. The axis size is global, so
-    with one device in each of several processes the sum still spans them."""
+    one-device all-reduce, a measurable cost in a small DQN update (docs/benchmarks.md). The
+    axis size is global, so with one device in each of several processes the sum still spans
+    them."""
     if jax.lax.axis_size(DEVICE_AXIS) == 1:
         return tree
     return jax.lax.psum(tree, DEVICE_AXIS)
@@ -44,10 +45,10 @@ def unroll_threefry_on_cpu(unrolled: bool = True) -> None:
     """Lower JAX's threefry random-number hash on CPU as straight-line code (`unrolled`), the
     form JAX uses on GPU and TPU, instead of the five-round loop it emits on CPU to save compile
     time. The bits are the same; each random call becomes a few fused kernels instead of a
-    loop of ~30. DQN on CartPole, which draws random numbers several times per small update,
-    launched 4x fewer kernels and ran 1.4x faster; PPO ran the same; AlphaZero's self-play ran
-    ~9% slower, so its trainer keeps JAX's default (`Trainer.unrolled_threefry`). It costs
-    ~1.5 s more compilation. This uses JAX internals (pinned in requirements.txt;
+    loop of small ones. DQN on CartPole, which draws random numbers several times per small
+    update, runs faster; PPO runs the same; AlphaZero's self-play runs slower, so its trainer
+    keeps JAX's default (`Trainer.unrolled_threefry`). Compilation takes longer. The figures
+    are in docs/benchmarks.md. This uses JAX internals (pinned in requirements.txt;
     tests/test_devices.py checks them). It applies to programs lowered afterwards;
     `unrolled=False` restores JAX's CPU default."""
     from jax._src.interpreters import mlir

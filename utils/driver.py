@@ -65,7 +65,8 @@ def auto_updates_per_chunk(num_updates: int) -> int:
 def _over_runs(f: Callable, num_runs: int) -> Callable:
     """`jax.vmap(f)` over the leading run axis (seeds x sweep configurations). A single run
     goes unbatched and gets its axis back: a size-1 vmap still batches every gather and
-    scatter (mctx's tree updates, for one), which cost AlphaZero self-play about 15% on CPU."""
+    scatter (mctx's tree updates, for one), which slows AlphaZero's self-play on CPU
+    (docs/benchmarks.md)."""
     if num_runs > 1:
         return jax.vmap(f)
 

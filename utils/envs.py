@@ -35,8 +35,8 @@ GYMNAX_ALIASES = {
 
 def _gymnax():
     """gymnax, imported on first use: importing it loads every one of its environments and,
-    through their renderers, matplotlib and seaborn (about 2 s), which an AlphaZero run never
-    needs."""
+    through their renderers, matplotlib and seaborn: a start-up cost that an AlphaZero run never
+    needs (measured in docs/benchmarks.md)."""
     import gymnax
 
     return gymnax

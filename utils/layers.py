@@ -13,17 +13,19 @@ class Conv3x3(nn.Module):
     - "matmul" (the default) writes the convolution as nine shifted copies of the input and
       one matmul. XLA:CPU is fast at it everywhere. Its own convolution is slow in two places:
       with vmapped parameters (several seeds in one program) JAX makes it a grouped
-      convolution, 2-5x slower; and its gradient inside a loop (`lax.scan`) ran about 30x
-      slower than the matmul form's.
-    - "xla" calls XLA's convolution, 1.2-1.4x faster for a forward pass with unbatched
-      parameters, so only for acting, with one seed.
+      convolution; and its gradient inside a loop (`lax.scan`) is far slower than the matmul
+      form's.
+    - "xla" calls XLA's convolution, faster for a forward pass with unbatched parameters, so
+      only for acting, with one seed.
     - "dense" multiplies the flattened board by one [height*width*channels, height*width*
       features] matrix gathered from the kernel. On a board of at most 3x3 every output sees
-      the whole board, so this is the convolution's own arithmetic in one matmul: 1.3-1.6x
-      faster than both others for a tic_tac_toe forward pass on CPU while a core is idle (XLA
-      then runs the one matmul on two); with every core busy, as in self-play on one device
-      per core, it was 1.1x slower than "xla". Larger boards pay height*width/9 times the
-      arithmetic (4.7x on connect_four's 6x7): slower there.
+      the whole board, so this is the convolution's own arithmetic in one matmul: faster than
+      both others for a tic_tac_toe forward pass on CPU while a core is idle (XLA then runs
+      the one matmul on two); with every core busy, as in self-play on one device per core,
+      it was slightly slower than "xla". Larger boards pay height*width/9 times the
+      arithmetic: slower there.
+
+    The measurements are in docs/benchmarks.md, "Convolutions on XLA:CPU".
     """
 
     features: int
