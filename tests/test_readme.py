@@ -99,7 +99,7 @@ def test_the_table_of_common_changes_names_real_code():
 def test_make_it_yours_guide_on_a_copy(tmp_path):
     guide = section("Make it yours")
     bash = code_blocks(guide, "bash")
-    fields, loss_line = code_blocks(guide, "python")
+    fields, loss_line, _ = code_blocks(guide, "python")
     repo = tmp_path / "repo"
     shutil.copytree(
         REPO,
@@ -124,9 +124,10 @@ def test_make_it_yours_guide_on_a_copy(tmp_path):
     def code_lines(snippet: str) -> list[str]:
         return [line for line in snippet.splitlines() if line.strip() not in ("", "...")]
 
-    config_lines, hyper_lines = code_lines(config_lines)[1:], code_lines(hyper_lines)
+    config_header, *config_lines = code_lines(config_lines)
+    hyper_lines = code_lines(hyper_lines)
     for header, lines in (
-        ("class Config(RunConfig):", config_lines),
+        (config_header, config_lines),
         ("class HyperParams(NamedTuple):", hyper_lines),
     ):
         class_end = source.index("\n\n\n", source.index(header))
@@ -150,3 +151,11 @@ def test_make_it_yours_guide_on_a_copy(tmp_path):
     sh(sed_line)
     result = sh(pytest_line.replace("python ", f"{sys.executable} ", 1) + " -q -p no:cacheprovider")
     assert " passed" in result.stdout
+
+
+def test_the_bare_training_snippet_runs_two_seeds():
+    """The guide's PureJaxRL-style snippet, run as written: one compiled program, two seeds."""
+    *_, snippet = code_blocks(section("Make it yours"), "python")
+    namespace = {}
+    exec(snippet, namespace)
+    assert namespace["metrics"]["episode_return"].shape == (2, 4)
