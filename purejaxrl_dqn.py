@@ -26,7 +26,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from utils.cli import EpisodeRunConfig, exit_on_config_error, parse_config, require_positive
+from utils.cli import (
+    EpisodeRunConfig,
+    exit_on_config_error,
+    parse_config,
+    require_in,
+    require_positive,
+)
 from utils.devices import DEVICE_AXIS, device_mean
 from utils.driver import run_training
 from utils.envs import env_family, env_spec, episode_metrics, make_env
@@ -326,25 +332,12 @@ def validate(config: Config, runtime: Runtime) -> None:
         raise ConfigError(
             f"--hidden-sizes must be one or more sizes >= 1, got {config.hidden_sizes}"
         )
-    for name, low, high in (
-        ("gamma", 0.0, 1.0),
-        ("tau", 0.0, 1.0),
-        ("start_e", 0.0, 1.0),
-        ("end_e", 0.0, 1.0),
-        ("exploration_fraction", 0.0, 1.0),
-    ):
-        if not low <= getattr(config, name) <= high:
-            raise ConfigError(
-                f"--{name.replace('_', '-')} must be in [{low}, {high}], got {getattr(config, name)}"
-            )
-    if config.tau == 0:
-        raise ConfigError("--tau 0 would never update the target network; use a value in (0, 1]")
-    if config.learning_rate <= 0 or config.max_grad_norm < 0 or config.learning_starts < 0:
-        raise ConfigError(
-            "--learning-rate must be > 0, --max-grad-norm >= 0 (0: no clipping) and "
-            f"--learning-starts >= 0, got {config.learning_rate}, {config.max_grad_norm} and "
-            f"{config.learning_starts}"
-        )
+    require_positive(config, "learning_starts", minimum=0)
+    require_in(config, "learning_rate", 0.0, 1.0, above_low=True)
+    require_in(config, "tau", 0.0, 1.0, above_low=True)  # 0 would never update the target
+    for name in ("gamma", "start_e", "end_e", "exploration_fraction"):
+        require_in(config, name, 0.0, 1.0)
+    require_in(config, "max_grad_norm", 0.0)  # 0: no clipping
     for name in ("num_envs", "batch_size"):
         if getattr(config, name) % runtime.num_devices:
             raise ConfigError(

@@ -19,7 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from utils.cli import EpisodeRunConfig, exit_on_config_error, parse_config, require_positive
+from utils.cli import (
+    EpisodeRunConfig,
+    exit_on_config_error,
+    parse_config,
+    require_in,
+    require_positive,
+)
 from utils.devices import DEVICE_AXIS, device_mean
 from utils.driver import run_training
 from utils.envs import env_spec, episode_metrics, make_env
@@ -340,6 +346,11 @@ def validate(config: Config, runtime: Runtime) -> None:
         "hidden_size",
     )
     require_positive(config, "eval_episodes", minimum=0)
+    require_in(config, "learning_rate", 0.0, 1.0, above_low=True)
+    for name in ("gamma", "gae_lambda"):
+        require_in(config, name, 0.0, 1.0)
+    for name in ("clip_coef", "ent_coef", "vf_coef", "max_grad_norm"):
+        require_in(config, name, 0.0)
     if config.num_envs % runtime.num_devices:
         raise ConfigError(
             f"--num-envs {config.num_envs} is not divisible by the {runtime.num_devices} devices"

@@ -407,9 +407,15 @@ def test_continuous_env_exits_2_with_one_sentence(tmp_path):
         (["--buffer-size", "12", "--batch-size", "8"], "keeps only 3 steps of each of the 4"),
         (["--total-timesteps", "15"], "less than one update"),
         (["--learning-starts", "512"], "--learning-starts 512 leaves no gradient step"),
-        (["--gamma", "1.5"], r"--gamma must be in \[0.0, 1.0\]"),
-        (["--tau", "0"], "--tau 0 would never update the target network"),
-        (["--max-grad-norm", "-1"], "--max-grad-norm >= 0"),
+        (["--gamma", "1.5"], r"--gamma must be a finite number in \[0, 1\], got 1.5"),
+        (["--tau", "0"], r"--tau must be a finite number in \(0, 1\], got 0.0"),
+        (["--max-grad-norm", "-1"], r"--max-grad-norm must be a finite number in \[0, inf\)"),
+        (
+            ["--learning-rate", "nan"],
+            r"--learning-rate must be a finite number in \(0, 1\], got nan",
+        ),
+        (["--end-e", "inf"], "--end-e must be a finite number"),
+        (["--sweep", "lr=1e-3,nan"], "--learning-rate must be a finite number"),
     ],
 )
 def test_bad_flags_raise_config_error(tiny_dqn_args, flags, match):

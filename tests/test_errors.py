@@ -81,3 +81,23 @@ def test_resume_with_a_conflicting_flag_leaves_the_run_untouched(tiny_ppo_args):
 
 def test_cnn_torso_needs_image_observations(tiny_ppo_args):
     expect_config_error([*tiny_ppo_args, "--torso", "cnn"], "needs image observations")
+
+
+@pytest.mark.parametrize(
+    ("flags", "match"),
+    [
+        (
+            ["--learning-rate", "nan"],
+            r"--learning-rate must be a finite number in \(0, 1\], got nan",
+        ),
+        (["--learning-rate", "-1"], r"--learning-rate must be a finite number in \(0, 1\]"),
+        (["--learning-rate", "inf"], "got inf"),
+        (["--gamma", "5"], r"--gamma must be a finite number in \[0, 1\], got 5.0"),
+        (["--clip-coef", "-1"], r"--clip-coef must be a finite number in \[0, inf\)"),
+        (["--ent-coef", "nan"], "--ent-coef must be a finite number"),
+        (["--sweep", "lr=nan,1e-3"], "--learning-rate must be a finite number"),
+        (["--eval-episodes", "-1"], "--eval-episodes must be >= 0"),
+    ],
+)
+def test_float_flags_are_checked_nan_and_inf_included(tiny_ppo_args, flags, match):
+    expect_config_error([*tiny_ppo_args, *flags], match)

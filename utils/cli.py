@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -115,12 +116,15 @@ def parse_config(
     presets: dict[str, dict],
     args: list[str] | None = None,
     preset_key: Callable[[str], str] = gymnax_preset_key,
+    shell_defaults: dict | None = None,
 ):
     """Parse argv into `config_cls`, with defaults from the env's preset or the resumed run.
 
     The preset is chosen before parsing, so `--env Breakout --help` shows Breakout's defaults
-    and any flag still overrides them. With `--resume RUN_DIR` the saved config is the default,
-    and a flag that changes something the run computes is refused.
+    and any flag still overrides them. `shell_defaults` are defaults of the command line only,
+    below the preset's (e.g. a CPU split, which restarts the process: a Config built in a
+    notebook never asks for it). With `--resume RUN_DIR` the saved config is the default, and a
+    flag that changes something the run computes is refused.
     """
     args = list(sys.argv[1:] if args is None else args)
     resume = _flag_value(args, "resume")
@@ -132,7 +136,8 @@ def parse_config(
         default = config_cls(**{k: v for k, v in saved.items() if k in names})
     else:
         env = _flag_value(args, "env") or config_cls.env
-        default = config_cls(**{**presets.get(preset_key(env), {}), "env": env})
+        preset = presets.get(preset_key(env), {})
+        default = config_cls(**{**(shell_defaults or {}), **preset, "env": env})
     config = tyro.cli(config_cls, default=default, args=args, description=config_cls.__doc__)
     if resume is not None:
         for field in dataclasses.fields(config_cls):
@@ -152,6 +157,19 @@ def require_positive(config, *names: str, minimum: int = 1) -> None:
         if getattr(config, name) < minimum:
             flag = "--" + name.replace("_", "-")
             raise ConfigError(f"{flag} must be >= {minimum}, got {getattr(config, name)}")
+
+
+def require_in(config, name: str, low: float, high: float = math.inf, *, above_low=False) -> None:
+    """ConfigError unless the float field is finite and in [low, high] ((low, high] with
+    `above_low`). NaN fails every comparison, so it is named here rather than let through."""
+    value = getattr(config, name)
+    inside = low < value if above_low else low <= value
+    if not (math.isfinite(value) and inside and value <= high):
+        bounds = (
+            f"{'(' if above_low else '['}{low:g}, {high:g}{']' if math.isfinite(high) else ')'}"
+        )
+        flag = "--" + name.replace("_", "-")
+        raise ConfigError(f"{flag} must be a finite number in {bounds}, got {value}")
 
 
 @contextlib.contextmanager
