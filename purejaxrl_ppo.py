@@ -72,7 +72,7 @@ class Config(EpisodeRunConfig):
     vf_coef: float = 0.5
     """value loss coefficient"""
     max_grad_norm: float = 0.5
-    """global gradient-norm clipping threshold"""
+    """global gradient-norm clipping threshold; 0 turns clipping off"""
     hidden_size: int = 64
     """units in each of the two hidden layers of the actor and of the critic"""
     activation: Literal["tanh", "relu"] = "tanh"
@@ -404,9 +404,10 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
             def learning_rate(count):
                 return hp.learning_rate * (1.0 - count / num_optimizer_steps)
 
-        return optax.chain(
-            optax.clip_by_global_norm(hp.max_grad_norm), optax.adam(learning_rate, eps=1e-5)
-        )
+        # 0 means no clipping (as in DQN), not a zero threshold that would stop all learning;
+        # an infinite threshold never clips, so the switch stays inside the program.
+        max_norm = jnp.where(hp.max_grad_norm > 0, hp.max_grad_norm, jnp.inf)
+        return optax.chain(optax.clip_by_global_norm(max_norm), optax.adam(learning_rate, eps=1e-5))
 
     def init(key, hp: HyperParams) -> RunnerState:
         init_key, env_key = jax.random.split(key)

@@ -1,6 +1,8 @@
 """PPO: GAE, truncation bootstrapping, the PPO loss and the action distributions against plain
 NumPy; and the trainer without the driver, as PureJaxRL's users call it."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +19,7 @@ from purejaxrl_ppo import (
     ppo_loss,
 )
 from tests.golden_runs import GOLDEN_DIR, read_columns
+from utils.devices import DEVICE_AXIS
 from utils.trainer import Runtime, TrainerContractError
 
 
@@ -175,3 +178,22 @@ def test_train_refuses_a_trainer_built_for_several_devices():
     trainer = purejaxrl_ppo.make_train(purejaxrl_ppo.Config(), Runtime(num_devices=2))
     with pytest.raises(TrainerContractError, match="one device"):
         trainer.train(jax.random.PRNGKey(0))
+
+
+def test_max_grad_norm_0_turns_clipping_off():
+    """A zero threshold would clip every gradient to nothing; 0 means no clipping instead."""
+    config = purejaxrl_ppo.Config(
+        num_envs=4, num_steps=16, num_minibatches=2, update_epochs=1, total_timesteps=128
+    )
+    key = jax.random.PRNGKey(0)
+
+    def params_moved(max_grad_norm):
+        trainer = purejaxrl_ppo.make_train(dataclasses.replace(config, max_grad_norm=max_grad_norm))
+        state, _ = jax.jit(trainer.train)(key)
+        start = jax.vmap(trainer.init, (0, None), axis_name=DEVICE_AXIS)(
+            key[None], trainer.hyperparams
+        )
+        moved = jax.tree.map(lambda a, b: np.abs(a - b[0]).max(), state.params, start.params)
+        return max(jax.tree.leaves(moved))
+
+    assert params_moved(0.0) > 10 * params_moved(1e-6) > 0
