@@ -293,3 +293,26 @@ def test_train_refuses_a_trainer_built_for_several_devices():
     trainer = make_stub()(StubConfig(), Runtime(num_devices=2))
     with pytest.raises(TrainerContractError, match="one device"):
         trainer.train(jax.random.PRNGKey(0))
+
+
+def test_a_torn_last_row_of_metrics_csv_is_dropped_on_resume(tmp_path, monkeypatch, capsys):
+    """A SIGKILL or a full disk can cut the last row inside its first field, e.g. update 30's
+    row to "3": the resume drops it with a note instead of keeping "3,,,," (3 is before the
+    checkpoint) and failing in the report."""
+    uninterrupted = train(tmp_path, updates_per_chunk=2)["run_dir"]
+
+    def interrupt_after_update_4(self, done, *_):
+        if done == 4:
+            raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(driver._Progress, "update", interrupt_after_update_4)
+        with pytest.raises(SystemExit):
+            train(tmp_path, updates_per_chunk=2)
+    (interrupted,) = [p for p in (tmp_path / "runs").iterdir() if str(p) != uninterrupted]
+    with open(interrupted / "metrics.csv", "a") as f:
+        f.write("3")
+    summary = train(tmp_path, resume=str(interrupted))
+    assert "dropped 1 incomplete row" in capsys.readouterr().err
+    assert summary["final_per_seed"] == train(tmp_path)["final_per_seed"]
+    np.testing.assert_array_equal(metric_table(uninterrupted, 0), metric_table(interrupted, 0))

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import io
 import json
 import math
 import os
+import sys
 
 import numpy as np
 
@@ -28,9 +30,7 @@ class MetricsCsv:
         self.metric_names = metric_names
         self.columns = ["update", "env_steps", *run_columns, *metric_names]
         if keep_until_update is not None and os.path.exists(path):
-            with open(path, newline="") as f:
-                rows = [r for r in csv.DictReader(f) if int(r["update"]) <= keep_until_update]
-            self._rewrite(rows)
+            self._rewrite(_complete_rows(path, keep_until_update))
         elif not os.path.exists(path):
             self._rewrite([])
 
@@ -43,15 +43,49 @@ class MetricsCsv:
         os.replace(tmp, self.path)
 
     def append(self, first_update: int, steps_per_update: int, metrics: dict[str, np.ndarray]):
-        """`metrics[name]` has shape [num_runs, num_updates]; update numbers start at 1."""
+        """`metrics[name]` has shape [num_runs, num_updates]; update numbers start at 1. The
+        chunk's rows go out in one write, flushed, so a crash leaves at most a torn last line,
+        which a resume drops."""
         num_updates = next(iter(metrics.values())).shape[1]
+        text = io.StringIO()
+        writer = csv.writer(text)
+        for k in range(num_updates):
+            update = first_update + k
+            for run, run_values in enumerate(self.run_values):
+                values = [float(metrics[name][run, k]) for name in self.metric_names]
+                writer.writerow([update, update * steps_per_update, *run_values, *values])
         with open(self.path, "a", newline="") as f:
-            writer = csv.writer(f)
-            for k in range(num_updates):
-                update = first_update + k
-                for run, run_values in enumerate(self.run_values):
-                    values = [float(metrics[name][run, k]) for name in self.metric_names]
-                    writer.writerow([update, update * steps_per_update, *run_values, *values])
+            f.write(text.getvalue())
+            f.flush()
+
+
+def _complete_rows(path: str, keep_until_update: int) -> list[dict]:
+    """The rows of metrics.csv up to the checkpoint's update. A row that a crash or a full disk
+    cut short (fewer fields, an empty or unparsable value, no line end) goes, with a note."""
+    with open(path, newline="") as f:
+        lines = f.read().splitlines(keepends=True)
+    header = next(csv.reader(lines[:1]), [])
+    rows, torn = [], 0
+    for line in lines[1:]:
+        fields = next(csv.reader([line]), [])
+        complete = line.endswith("\n") and len(fields) == len(header) and _all_numbers(fields)
+        if not complete:
+            torn += 1
+        elif int(fields[0]) <= keep_until_update:
+            rows.append(dict(zip(header, fields, strict=True)))
+    if torn:
+        print(f"note: dropped {torn} incomplete row(s) of {path}", file=sys.stderr)
+    return rows
+
+
+def _all_numbers(fields: list[str]) -> bool:
+    """Every column of metrics.csv is a number; "" is a value that a crash cut off."""
+    try:
+        for value in fields:
+            float(value)
+    except ValueError:
+        return False
+    return True
 
 
 def read_metrics_csv(path: str) -> dict[str, np.ndarray]:
