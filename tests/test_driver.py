@@ -2,10 +2,13 @@
 run directory, seeds and sweeps side by side, resume, checkpoints, wandb, and the contract's
 checks (swept values unreadable to compiled code, the config never mutated)."""
 
+import concurrent.futures
 import csv
 import dataclasses
+import fcntl
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import NamedTuple
 
@@ -316,3 +319,66 @@ def test_a_torn_last_row_of_metrics_csv_is_dropped_on_resume(tmp_path, monkeypat
     assert "dropped 1 incomplete row" in capsys.readouterr().err
     assert summary["final_per_seed"] == train(tmp_path)["final_per_seed"]
     np.testing.assert_array_equal(metric_table(uninterrupted, 0), metric_table(interrupted, 0))
+
+
+# ---------------------------------------------------------------------------------------------
+# Interruptions, resume edge cases and concurrent runs
+# ---------------------------------------------------------------------------------------------
+
+
+def test_resuming_a_finished_run_says_so_and_touches_nothing(tmp_path, capsys):
+    run_dir = Path(train(tmp_path)["run_dir"])
+    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
+    summary = train(tmp_path, resume=str(run_dir))
+    assert "already complete" in capsys.readouterr().out
+    assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before
+    assert summary == json.loads((run_dir / "summary.json").read_text())
+
+
+def test_resume_refuses_another_trainers_run_directory(tmp_path):
+    run_dir = Path(train(tmp_path)["run_dir"])
+    saved = json.loads((run_dir / "config.json").read_text())
+    (run_dir / "config.json").write_text(json.dumps({**saved, "algo": "dqn"}))
+    with pytest.raises(ConfigError, match="is a dqn run, not a stub one"):
+        train(tmp_path, resume=str(run_dir))
+
+
+def test_a_run_directory_without_a_checkpoint_resumes_from_the_start(tmp_path, capsys):
+    done = train(tmp_path)
+    run_dir = Path(done["run_dir"])
+    for path in (run_dir / "checkpoints", run_dir / "summary.json", run_dir / "metrics.csv"):
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    again = train(tmp_path, resume=str(run_dir))
+    assert "has no checkpoint yet: the run starts over" in capsys.readouterr().err
+    assert again["final_per_seed"] == done["final_per_seed"]
+    assert again["resumed_from_update"] == 0
+
+
+def test_a_second_process_on_a_running_directory_is_refused(tmp_path):
+    run_dir = Path(train(tmp_path, updates_per_chunk=2)["run_dir"])
+    shutil.rmtree(run_dir / "checkpoints")
+    with open(run_dir / ".lock", "w") as held:  # as the first process holds it
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(ConfigError, match="is in use by another training process"):
+            train(tmp_path, resume=str(run_dir))
+
+
+def test_launches_in_the_same_second_get_a_directory_each(tmp_path):
+    config = StubConfig(runs_dir=str(tmp_path))
+    trainer = make_stub()(config)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        dirs = list(pool.map(lambda _: driver._new_run_dir(config, trainer), range(16)))
+    assert len(set(dirs)) == 16 and all(os.path.isfile(f"{d}/config.json") for d in dirs)
+
+
+def test_ctrl_c_before_the_first_checkpoint_leaves_no_directory(tmp_path, monkeypatch, capsys):
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(driver._ChunkRunner, "__call__", interrupt)  # e.g. while compiling
+    with pytest.raises(SystemExit) as exit_info:
+        train(tmp_path)
+    assert exit_info.value.code == 130
+    err = capsys.readouterr().err
+    assert "before the first checkpoint" in err and "--resume" not in err
+    assert not any((tmp_path / "runs").iterdir())

@@ -174,9 +174,13 @@ def require_in(config, name: str, low: float, high: float = math.inf, *, above_l
 
 @contextlib.contextmanager
 def exit_on_config_error():
-    """Turn a ConfigError into one line on stderr and exit code 2."""
+    """Turn a ConfigError into one line on stderr and exit code 2, and a Ctrl-C before the run
+    has started (the driver handles the ones after) into one line and exit code 130."""
     try:
         yield
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:
+        print("\ninterrupted before the run started", file=sys.stderr)
+        sys.exit(130)

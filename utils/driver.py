@@ -15,10 +15,15 @@ contract of utils/trainer.py, in four stages that read top to bottom:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import functools
+import itertools
+import json
 import math
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -85,15 +90,59 @@ def check_run_config(config) -> None:
 
 
 def _new_run_dir(config, trainer: Trainer) -> str:
+    """A fresh run directory with config.json. Created atomically: two launches in the same
+    second (a parallel sweep) get a name each, with a suffix."""
     name = f"{trainer.env_id}__{trainer.algo}__{config.seed}__{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir = os.path.join(config.runs_dir, name)
-    suffix = 1
-    while os.path.exists(run_dir):
-        suffix += 1
-        run_dir = os.path.join(config.runs_dir, f"{name}-{suffix}")
-    os.makedirs(run_dir)
-    write_json(os.path.join(run_dir, "config.json"), dataclasses.asdict(config))
+    try:
+        os.makedirs(config.runs_dir, exist_ok=True)
+    except OSError as error:
+        raise ConfigError(f"--runs-dir {config.runs_dir!r}: {error.strerror}") from None
+    for suffix in itertools.count(1):
+        run_dir = os.path.join(config.runs_dir, name if suffix == 1 else f"{name}-{suffix}")
+        try:
+            os.mkdir(run_dir)
+            break
+        except FileExistsError:
+            continue
+        except OSError as error:
+            raise ConfigError(f"--runs-dir {config.runs_dir!r}: {error.strerror}") from None
+    # "algo" is not a flag: it lets --resume refuse another trainer's run directory
+    write_json(
+        os.path.join(run_dir, "config.json"), {"algo": trainer.algo, **dataclasses.asdict(config)}
+    )
     return run_dir
+
+
+def _check_resumable(config, trainer: Trainer) -> int | None:
+    """--resume: the checkpoint's update (None: none yet, the run starts over), after refusing
+    another trainer's directory and a finished run."""
+    with open(os.path.join(config.resume, "config.json")) as f:
+        saved_algo = json.load(f).get("algo", trainer.algo)
+    if saved_algo != trainer.algo:
+        raise ConfigError(
+            f"--resume: {config.resume!r} is a {saved_algo} run, not a {trainer.algo} one"
+        )
+    return checkpoint.latest_update(os.path.join(config.resume, "checkpoints"))
+
+
+@contextlib.contextmanager
+def _run_lock(run_dir: str | None):
+    """Holds RUN_DIR/.lock for the run's lifetime: a second process on the same run directory
+    (two --resume at once) gets one sentence instead of racing the first one's files."""
+    if run_dir is None:
+        yield
+        return
+    path = os.path.join(run_dir, ".lock")
+    with open(path, "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConfigError(f"{run_dir!r} is in use by another training process") from None
+        try:
+            yield
+        finally:
+            with contextlib.suppress(FileNotFoundError):  # an interrupted new run removes it all
+                os.unlink(path)
 
 
 class _Progress:
@@ -214,6 +263,7 @@ class RunPlan:
     is_main: bool  # process 0, the only one that writes
     run_dir: str | None  # None on the other processes
     chunk_len: int
+    resume_update: int | None  # --resume: the checkpoint's update (None: none, start over)
 
     @property
     def num_runs(self) -> int:
@@ -287,8 +337,9 @@ def plan_runs(config, make_train: Callable, validate: Callable) -> RunPlan:
     run_hyperparams = jax.tree.map(
         lambda *values: np.stack(values)[run_config], *config_hyperparams
     )
+    resume_update = None
     if config.resume is not None:
-        run_dir = config.resume
+        run_dir, resume_update = config.resume, _check_resumable(config, trainer)
     else:
         run_dir = _new_run_dir(config, trainer) if is_main else None
     return RunPlan(
@@ -307,6 +358,7 @@ def plan_runs(config, make_train: Callable, validate: Callable) -> RunPlan:
         chunk_len=trainer.updates_per_chunk
         or config.updates_per_chunk
         or auto_updates_per_chunk(trainer.num_updates),
+        resume_update=resume_update,
     )
 
 
@@ -331,6 +383,9 @@ def start_or_resume(plan: RunPlan, clock: _Clock):
     state = jax.block_until_ready(state)
     clock.compile_seconds += time.perf_counter() - start
     if plan.config.resume is None:
+        return state, 0
+    if plan.resume_update is None:
+        print(f"{plan.run_dir} has no checkpoint yet: the run starts over", file=sys.stderr)
         return state, 0
     host_state, meta = checkpoint.restore(plan.checkpoint_dir, state)
     state = jax.tree.map(lambda h, t: jax.device_put(h, t.sharding), host_state, state)
@@ -379,7 +434,7 @@ def train_in_chunks(plan: RunPlan, state, start_update: int, clock: _Clock, wand
             new_state, metrics = run_chunk(state, num_updates)
             # the first run's records
             records = {k: metrics.pop(k)[0] for k in list(metrics) if k.startswith("record_")}
-            with checkpoint.defer_sigint():  # logs and checkpoint of a chunk land together
+            with checkpoint.defer_interrupts():  # logs and checkpoint of a chunk land together
                 state, first_update = new_state, update + 1
                 update += num_updates
                 if is_main:
@@ -404,16 +459,29 @@ def train_in_chunks(plan: RunPlan, state, start_update: int, clock: _Clock, wand
             mean_value = np.nanmean(last_values) if np.isfinite(last_values).any() else np.nan
             progress.update(update, mean_value, done_steps / max(clock.train_seconds, 1e-9))
     except KeyboardInterrupt:
-        progress.close()
-        if is_main and saved_update != update:
+        if is_main and update > saved_update:  # the chunk's outputs landed, its checkpoint not
             checkpoint.save(plan.checkpoint_dir, update, state, clock.totals(update))
-        hint = (
-            f"; continue with --resume {plan.run_dir}" if is_main and not plan.multi_process else ""
-        )
-        print(f"\ninterrupted after update {update}{hint}", file=sys.stderr)
-        sys.exit(130)
-    progress.close()
+        raise
+    finally:
+        progress.close()
     return state
+
+
+def _exit_interrupted(plan: RunPlan) -> None:
+    """After Ctrl-C or SIGTERM: one line and exit code 130. With a checkpoint, how to resume;
+    a new run stopped before its first checkpoint leaves no directory behind."""
+    update = checkpoint.latest_update(plan.checkpoint_dir) if plan.is_main else None
+    if not plan.is_main or plan.multi_process:
+        message = f"interrupted after update {update}" if update else "interrupted"
+    elif update is not None:
+        message = f"interrupted after update {update}; continue with --resume {plan.run_dir}"
+    elif plan.config.resume is None:
+        shutil.rmtree(plan.run_dir, ignore_errors=True)
+        message = f"interrupted before the first checkpoint; removed {plan.run_dir}"
+    else:
+        message = "interrupted before the first checkpoint"
+    print(f"\n{message}", file=sys.stderr)
+    sys.exit(130)
 
 
 def _evaluate_final(plan: RunPlan, state, clock: _Clock) -> np.ndarray | None:
@@ -543,22 +611,21 @@ def run_training(config, make_train: Callable, validate: Callable, return_state:
     state, leaves [local devices, runs, ...]."""
     clock = _Clock(wall_start=time.perf_counter())
     plan = plan_runs(config, make_train, validate)
-    state, start_update = start_or_resume(plan, clock)
-    wandb_sink = None
-    if config.track and plan.is_main:
-        run_name = os.path.basename(os.path.normpath(plan.run_dir))
-        run_labels = [
-            f"{config_label(plan.overrides[k])} seed_{i}".strip()
-            for k, i in zip(plan.run_config, plan.run_seed, strict=True)
-        ]
-        wandb_sink = WandbSink(
-            config, plan.run_dir, run_name, plan.trainer.headline_metric, run_labels
-        )
-    state = train_in_chunks(plan, state, start_update, clock, wandb_sink)
-    summary = None
-    if plan.is_main:
-        summary = report(plan, state, start_update, clock, wandb_sink)
-    else:
+    summary_path = os.path.join(plan.run_dir or "", "summary.json")
+    if plan.resume_update == plan.trainer.num_updates and os.path.exists(summary_path):
+        print(f"{plan.trainer.algo} {plan.trainer.env_id}: already complete -> {plan.run_dir}")
+        with open(summary_path) as f:
+            summary = json.load(f)
+        return (summary, None) if return_state else summary
+    with _run_lock(plan.run_dir), checkpoint.stop_signals_interrupt():
+        try:
+            state, start_update = start_or_resume(plan, clock)
+            wandb_sink = _wandb_sink(plan)
+            state = train_in_chunks(plan, state, start_update, clock, wandb_sink)
+        except KeyboardInterrupt:
+            _exit_interrupted(plan)
+        summary = report(plan, state, start_update, clock, wandb_sink) if plan.is_main else None
+    if not plan.is_main:
         print(
             f"{plan.trainer.algo} {plan.trainer.env_id}: process {jax.process_index()} of "
             f"{jax.process_count()} done; process 0 writes the run directory"
@@ -567,3 +634,15 @@ def run_training(config, make_train: Callable, validate: Callable, return_state:
         # no process leaves the group while process 0 still evaluates and reports
         multihost_utils.sync_global_devices(_REPORTED_BARRIER)
     return (summary, state) if return_state else summary
+
+
+def _wandb_sink(plan: RunPlan) -> WandbSink | None:
+    """With --track, process 0's wandb run: one curve per run of the headline metric."""
+    if not (plan.config.track and plan.is_main):
+        return None
+    run_name = os.path.basename(os.path.normpath(plan.run_dir))
+    run_labels = [
+        f"{config_label(plan.overrides[k])} seed_{i}".strip()
+        for k, i in zip(plan.run_config, plan.run_seed, strict=True)
+    ]
+    return WandbSink(plan.config, plan.run_dir, run_name, plan.trainer.headline_metric, run_labels)
