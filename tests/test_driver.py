@@ -382,3 +382,11 @@ def test_ctrl_c_before_the_first_checkpoint_leaves_no_directory(tmp_path, monkey
     err = capsys.readouterr().err
     assert "before the first checkpoint" in err and "--resume" not in err
     assert not any((tmp_path / "runs").iterdir())
+
+
+def test_progress_is_one_plain_line_per_chunk_where_stdout_is_not_a_terminal(tmp_path, capsys):
+    config = StubConfig(runs_dir=str(tmp_path), updates_per_chunk=4)  # progress on
+    run_training(config, make_stub(), stub_validate)
+    lines = [line for line in capsys.readouterr().out.splitlines() if ": update " in line]
+    assert [line.split(",")[0] for line in lines] == ["stub: update 4/8", "stub: update 8/8"]
+    assert "80 steps, episode_return 0.99" in lines[-1] and lines[-1].endswith("ETA 0 s")

@@ -146,11 +146,14 @@ def _run_lock(run_dir: str | None):
 
 
 class _Progress:
-    """A rich progress bar: updates done, latest mean return, steps/s and ETA."""
+    """Progress after every chunk: a rich bar on a terminal (updates done, the headline metric,
+    steps/s, ETA); where stdout is not one (SLURM, nohup, CI), one plain line per chunk."""
 
     def __init__(self, enabled: bool, total: int, done: int, label: str, trainer: Trainer):
-        self.bar = None
-        if not enabled:
+        self.bar, self.plain = None, enabled and not sys.stdout.isatty()
+        self.total, self.first, self.label, self.trainer = total, done, label, trainer
+        self.start = time.perf_counter()
+        if not enabled or self.plain:
             return
         from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -167,9 +170,19 @@ class _Progress:
         self.bar.start()
 
     def update(self, done: int, mean_return: float, steps_per_second: float):
+        ret = "-" if math.isnan(mean_return) else f"{mean_return:.3g}"
         if self.bar is not None:
-            ret = "-" if math.isnan(mean_return) else f"{mean_return:.3g}"
             self.bar.update(self.task, completed=done, ret=ret, sps=f"{steps_per_second:,.0f}")
+        elif self.plain:
+            per_update = (time.perf_counter() - self.start) / max(done - self.first, 1)
+            trainer = self.trainer
+            print(
+                f"{self.label}: update {done}/{self.total}, "
+                f"{done * trainer.steps_per_update:,} {trainer.step_unit}, "
+                f"{trainer.headline_metric} {ret}, {steps_per_second:,.0f} {trainer.step_unit}/s, "
+                f"ETA {per_update * (self.total - done):.0f} s",
+                flush=True,
+            )
 
     def close(self):
         if self.bar is not None:
