@@ -1,5 +1,5 @@
 """DQN: targets, replay buffer and epsilon schedule against plain NumPy; then whole runs (seeds,
-reproducibility, devices, bad input) and, marked slow, learning CartPole."""
+reproducibility, devices, bad input). Learning is in tests/test_learning.py."""
 
 import csv
 import dataclasses
@@ -30,7 +30,6 @@ from tests.helpers import (
     assert_seed_matches_single_run,
     checkpoint_leaves,
     run_script,
-    summary_of_only_run,
 )
 from utils.cli import parse_config
 from utils.devices import DEVICE_AXIS
@@ -428,21 +427,3 @@ def test_sizes_not_divisible_by_devices():
         validate(Config(num_envs=3), Runtime(num_devices=2))
     with pytest.raises(ConfigError, match="--batch-size 127 is not divisible by the 2 devices"):
         validate(Config(batch_size=127), Runtime(num_devices=2))
-
-
-# ---------------------------------------------------------------------------------------------
-# Learning
-# ---------------------------------------------------------------------------------------------
-
-
-@pytest.mark.slow
-def test_cartpole_reaches_400_within_2e5_steps_on_two_seeds(tmp_path):
-    """The classic preset on a shorter budget (epsilon decays over 1e5 steps): about 30 s."""
-    args = ["--env", "CartPole", "--total-timesteps", "200000", "--num-seeds", "2"]
-    result = run_script(
-        "purejaxrl_dqn.py", *args, "--no-progress", "--runs-dir", str(tmp_path), llvm_level=1
-    )
-    assert result.returncode == 0, result.stderr
-    summary = summary_of_only_run(tmp_path)
-    assert min(summary["final_per_seed"]) >= 400, summary["final_per_seed"]
-    assert min(summary["eval_return_per_seed"]) >= 400, summary["eval_return_per_seed"]

@@ -1,4 +1,4 @@
-"""PPO must learn: short CPU runs that fail if learning breaks."""
+"""Every trainer must learn: short CPU runs that fail if learning breaks."""
 
 import pytest
 
@@ -7,7 +7,7 @@ from tests.helpers import run_script, summary_of_only_run
 pytestmark = pytest.mark.slow
 
 
-def test_cartpole_reaches_475_within_5e5_steps_on_two_seeds(tmp_path):
+def test_ppo_cartpole_reaches_475_within_5e5_steps_on_two_seeds(tmp_path):
     result = run_script(
         "purejaxrl_ppo.py",
         "--env", "CartPole",
@@ -23,7 +23,7 @@ def test_cartpole_reaches_475_within_5e5_steps_on_two_seeds(tmp_path):
     assert min(summary["eval_return_per_seed"]) >= 475, summary["eval_return_per_seed"]
 
 
-def test_two_devices_run_and_learn(tmp_path):
+def test_ppo_on_two_devices_runs_and_learns(tmp_path):
     """Environments split over 2 fake CPU devices, gradients averaged: one agent per seed."""
     result = run_script(
         "purejaxrl_ppo.py",
@@ -38,3 +38,15 @@ def test_two_devices_run_and_learn(tmp_path):
     summary = summary_of_only_run(tmp_path)
     assert summary["num_devices"] == 2
     assert summary["final_per_seed"][0] >= 475, summary
+
+
+def test_dqn_cartpole_reaches_400_within_2e5_steps_on_two_seeds(tmp_path):
+    """DQN's classic preset on a shorter budget (epsilon decays over 1e5 steps)."""
+    args = ["--env", "CartPole", "--total-timesteps", "200000", "--num-seeds", "2"]
+    result = run_script(
+        "purejaxrl_dqn.py", *args, "--no-progress", "--runs-dir", str(tmp_path), llvm_level=1
+    )
+    assert result.returncode == 0, result.stderr
+    summary = summary_of_only_run(tmp_path)
+    assert min(summary["final_per_seed"]) >= 400, summary["final_per_seed"]
+    assert min(summary["eval_return_per_seed"]) >= 400, summary["eval_return_per_seed"]
