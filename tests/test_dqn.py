@@ -415,6 +415,7 @@ def test_continuous_env_exits_2_with_one_sentence(tmp_path):
         ),
         (["--end-e", "inf"], "--end-e must be a finite number"),
         (["--sweep", "lr=1e-3,nan"], "--learning-rate must be a finite number"),
+        (["--buffer-size", "1000000000000"], r"the training state needs about [\d,.]+ GiB"),
     ],
 )
 def test_bad_flags_raise_config_error(tiny_dqn_args, flags, match):

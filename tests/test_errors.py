@@ -103,10 +103,13 @@ def test_cnn_torso_needs_image_observations(tiny_ppo_args):
         (["--ent-coef", "nan"], "--ent-coef must be a finite number"),
         (["--sweep", "lr=nan,1e-3"], "--learning-rate must be a finite number"),
         (["--eval-episodes", "-1"], "--eval-episodes must be >= 0"),
+        (["--seed", "100000000000000000000"], r"seeds must lie in \[0, 2147483647\]"),
+        (["--num-seeds", "10000000"], r"needs about [\d,.]+ GiB \(.* x 10000000 runs\)"),
     ],
 )
 def test_float_flags_are_checked_nan_and_inf_included(tiny_ppo_args, flags, match):
     expect_config_error([*tiny_ppo_args, *flags], match)
+    assert not os.path.exists(tiny_ppo_args[-1])  # nothing written
 
 
 def test_sigterm_saves_a_checkpoint_and_the_run_resumes(tmp_path):

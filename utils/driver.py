@@ -82,9 +82,42 @@ def _over_runs(f: Callable, num_runs: int) -> Callable:
     return single_run
 
 
+def _available_bytes() -> int:
+    """Memory of one device: the accelerator's, or this host's RAM for the CPU backend."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _check_memory(trainer: Trainer, num_runs: int, num_devices: int) -> None:
+    """Refuse, with the estimate, a training state that cannot fit: its shapes come from
+    tracing `init` alone (nothing is allocated), times the runs on each device."""
+    hyperparams = jax.tree.map(lambda x: np.asarray(x)[None], trainer.hyperparams)
+    shapes = jax.eval_shape(
+        jax.vmap(trainer.init, axis_name=DEVICE_AXIS), jax.random.PRNGKey(0)[None], hyperparams
+    )
+    per_run = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(shapes))
+    local_devices = max(num_devices // jax.process_count(), 1)
+    needed = per_run * num_runs * (local_devices if jax.default_backend() == "cpu" else 1)
+    available = _available_bytes()
+    if needed > available:
+        raise ConfigError(
+            f"the training state needs about {needed / 2**30:,.1f} GiB ({per_run / 2**20:,.1f} "
+            f"MiB per run x {num_runs} runs), more than the {available / 2**30:,.1f} GiB of "
+            f"{'this host' if jax.default_backend() == 'cpu' else 'a device'}"
+        )
+
+
 def check_run_config(config) -> None:
     if config.num_seeds < 1:
         raise ConfigError(f"--num-seeds must be >= 1, got {config.num_seeds}")
+    last_seed = config.seed + config.num_seeds - 1
+    if config.seed < 0 or last_seed > 2**31 - 1:
+        raise ConfigError(
+            f"--seed {config.seed} with --num-seeds {config.num_seeds}: seeds must lie in "
+            f"[0, {2**31 - 1}]"
+        )
     if config.updates_per_chunk < 0:
         raise ConfigError(f"--updates-per-chunk must be >= 0, got {config.updates_per_chunk}")
 
@@ -336,6 +369,7 @@ def plan_runs(config, make_train: Callable, validate: Callable) -> RunPlan:
         if values:  # every sweep configuration gets the trainer's own checks
             validate(swept_config, runtime)
     config_hyperparams = [hyperparams_of(type(trainer.hyperparams), c) for c in swept]
+    _check_memory(trainer, len(overrides) * config.num_seeds, runtime.num_devices)
 
     num_configs_, num_seeds = len(overrides), config.num_seeds
     run_seed = np.tile(np.arange(num_seeds), num_configs_)
