@@ -9,6 +9,7 @@ import fcntl
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import NamedTuple
 
@@ -390,3 +391,41 @@ def test_progress_is_one_plain_line_per_chunk_where_stdout_is_not_a_terminal(tmp
     lines = [line for line in capsys.readouterr().out.splitlines() if ": update " in line]
     assert [line.split(",")[0] for line in lines] == ["stub: update 4/8", "stub: update 8/8"]
     assert "80 steps, episode_return 0.99" in lines[-1] and lines[-1].endswith("ETA 0 s")
+
+
+# ---------------------------------------------------------------------------------------------
+# The reductions every reported number goes through, against plain loops
+# ---------------------------------------------------------------------------------------------
+
+
+def test_final_values_average_the_last_tenth_of_updates_that_reported():
+    # 2 configurations x 2 seeds, 20 updates; the metric is NaN where nothing was reported
+    rng = np.random.default_rng(0)
+    rows = [(u, c, s) for u in range(1, 21) for c in range(2) for s in range(2)]
+    values = rng.normal(size=len(rows))
+    values[[i for i, (u, c, s) in enumerate(rows) if (c, s) == (1, 1) and u > 3]] = np.nan
+    columns = {
+        "update": np.array([r[0] for r in rows], float),
+        "config": np.array([r[1] for r in rows], float),
+        "seed": np.array([r[2] for r in rows], float),
+        "m": values,
+    }
+    finals = driver._final_values(columns, "m", num_seeds=2, num_runs=4, num_updates=20)
+    for run, (c, s) in enumerate([(0, 0), (0, 1), (1, 0), (1, 1)]):
+        mine = [v for v, (u, rc, rs) in zip(values, rows, strict=True) if (rc, rs) == (c, s)]
+        if run < 3:  # updates 19 and 20: the last 10%
+            assert finals[run] == pytest.approx(np.mean(mine[-2:]))
+        else:  # reported only up to update 3: its last value
+            assert finals[run] == pytest.approx(mine[2])
+
+
+def test_sweep_ranking_orders_configurations_by_mean_final_value_nan_last():
+    overrides = [{"rate": 0.1}, {"rate": 0.2}, {"rate": 0.3}]
+    finals = [1.0, 3.0, np.nan, np.nan, 2.5, 2.5]  # 2 seeds each
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the mean of no finite value
+        ranking = driver._sweep_ranking(overrides, finals, [0.5] * 6)
+    assert [r["config"] for r in ranking] == [2, 0, 1]
+    assert ranking[0]["final_mean"] == 2.5 and ranking[0]["final_std"] == 0.0
+    assert ranking[1]["final_std"] == 1.0 and ranking[1]["hyperparams"] == {"rate": 0.1}
+    assert np.isnan(ranking[2]["final_mean"])

@@ -6,6 +6,7 @@ import numpy as np
 
 from utils.devices import DEVICE_AXIS
 from utils.envs import episode_metrics, make_env
+from utils.evaluation import evaluate_policy
 
 
 def test_episode_stats_match_a_step_by_step_tally():
@@ -36,3 +37,27 @@ def test_episode_metrics_average_only_the_episodes_that_ended():
     assert int(metrics["episodes"][0]) == 3
     none = reduce(jnp.zeros((1, 3, 2), bool), returns[None], lengths[None])
     assert np.isnan(none["episode_return"][0]) and np.isnan(none["episode_length"][0])
+
+
+def test_evaluate_policy_returns_each_episodes_undiscounted_return():
+    """Against a step-by-step loop over the same keys: each episode's return, and nothing from
+    the steps after it ended."""
+    env, env_params, spec = make_env("CartPole")
+
+    def policy(obs):  # a deterministic policy that ends episodes at different lengths
+        return (obs[:, 2] > 0).astype(jnp.int32)
+
+    key = jax.random.PRNGKey(3)
+    returns = evaluate_policy(env, env_params, policy, key, 4, spec.max_episode_steps)
+    reset_key, step_key = jax.random.split(key)
+    obs, state = jax.vmap(env.reset, in_axes=(0, None))(jax.random.split(reset_key, 4), env_params)
+    expected, finished = np.zeros(4), np.zeros(4, bool)
+    while not finished.all():
+        step_key, subkey = jax.random.split(step_key)
+        obs, state, reward, terminated, truncated, _ = jax.vmap(env.step, in_axes=(0, 0, 0, None))(
+            jax.random.split(subkey, 4), state, policy(obs), env_params
+        )
+        expected += np.where(finished, 0.0, np.asarray(reward))
+        finished |= np.asarray(terminated | truncated)
+    np.testing.assert_array_equal(returns, expected)
+    assert len(set(expected.tolist())) > 1
