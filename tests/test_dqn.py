@@ -428,3 +428,30 @@ def test_sizes_not_divisible_by_devices():
         validate(Config(num_envs=3), Runtime(num_devices=2))
     with pytest.raises(ConfigError, match="--batch-size 127 is not divisible by the 2 devices"):
         validate(Config(batch_size=127), Runtime(num_devices=2))
+
+
+@pytest.mark.parametrize("tau", [1.0, 0.5])
+def test_target_network_lags_and_syncs_every_target_network_frequency_env_steps(tau):
+    """4 envs x 1 step per update: 4 env steps per update, a sync every 12 env steps, so at
+    updates 3, 6, 9, ... once learning has started (env step 8), and never in between. tau 1
+    copies the online network; tau 0.5 averages it with the old target."""
+    config = Config(
+        num_envs=4, total_timesteps=160, learning_starts=8, buffer_size=64, batch_size=8,
+        target_network_frequency=12, tau=tau, hidden_sizes=(8,),
+    )  # fmt: skip
+    trainer = make_train(config)
+    one_update = jax.jit(jax.vmap(lambda s: trainer.train_chunk(s, 1)[0], axis_name=DEVICE_AXIS))
+    state = jax.vmap(trainer.init, (0, None), axis_name=DEVICE_AXIS)(
+        jax.random.PRNGKey(0)[None], trainer.hyperparams
+    )
+    leaf = lambda params: np.asarray(jax.tree.leaves(params)[0])  # noqa: E731
+    for update in range(1, 11):
+        old_target = leaf(state.target_params)
+        state = one_update(state)
+        online, target = leaf(state.params), leaf(state.target_params)
+        if update % 3 == 0:
+            np.testing.assert_allclose(target, tau * online + (1 - tau) * old_target, rtol=1e-6)
+        else:
+            np.testing.assert_array_equal(target, old_target)
+        if update >= 3:  # learning has started: between syncs, the target lags
+            assert not np.allclose(online, target) or (update % 3 == 0 and tau == 1.0)
