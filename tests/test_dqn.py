@@ -444,7 +444,10 @@ def test_target_network_lags_and_syncs_every_target_network_frequency_env_steps(
     state = jax.vmap(trainer.init, (0, None), axis_name=DEVICE_AXIS)(
         jax.random.PRNGKey(0)[None], trainer.hyperparams
     )
-    leaf = lambda params: np.asarray(jax.tree.leaves(params)[0])  # noqa: E731
+
+    def leaf(params):
+        return np.asarray(jax.tree.leaves(params)[0])
+
     for update in range(1, 11):
         old_target = leaf(state.target_params)
         state = one_update(state)
