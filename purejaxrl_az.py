@@ -331,6 +331,7 @@ def run_search(
     root_logits,
     root_value,
     recurrent_fn,
+    *,
     num_simulations: int,
     max_num_considered_actions: int,
     gumbel_scale,
@@ -338,8 +339,11 @@ def run_search(
     dirichlet_alpha,
     dirichlet_fraction,
 ) -> mctx.PolicyOutput:
-    """One batched search from the positions `state`. Illegal moves are masked in the root
-    prior and excluded by `invalid_actions`, so the chosen action is always legal."""
+    """One batched search from the positions `state` [B]: `root_logits` [B, num_actions] and
+    `root_value` [B] from the mover's side. Illegal moves are masked in the root prior and
+    excluded by `invalid_actions`, so the chosen action is always legal. The tuning arguments
+    after `*` are mctx's, by keyword as mctx takes them: gumbel uses
+    max_num_considered_actions and gumbel_scale, puct the temperature and the Dirichlet noise."""
     root = mctx.RootFnOutput(
         prior_logits=masked_logits(root_logits, state.legal_action_mask),
         value=root_value,
@@ -690,8 +694,8 @@ def make_train(config: Config) -> Trainer:
             logits,
             value,
             recurrent_fn,
-            config.num_simulations,
-            config.max_num_considered_actions,
+            num_simulations=config.num_simulations,
+            max_num_considered_actions=config.max_num_considered_actions,
             gumbel_scale=zero if greedy else hp.gumbel_scale,
             temperature=zero if greedy else hp.temperature,
             dirichlet_alpha=hp.dirichlet_alpha,
@@ -870,8 +874,8 @@ def make_train(config: Config) -> Trainer:
             jnp.zeros((batch, num_actions)),
             root_value,
             make_recurrent_fn(env, evaluate_by_rollout),
-            config.baseline_sims,
-            config.max_num_considered_actions,
+            num_simulations=config.baseline_sims,
+            max_num_considered_actions=config.max_num_considered_actions,
             gumbel_scale=0.0,
             temperature=0.0,
             dirichlet_alpha=0.3,

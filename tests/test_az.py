@@ -214,7 +214,8 @@ def test_priors_are_masked_and_normalised_exactly_once():
 
     output = run_search(
         "gumbel", None, jax.random.PRNGKey(0), state, logits, jnp.zeros(16),
-        make_recurrent_fn(env, evaluate), 4, 16, 1.0, 1.0, 0.3, 0.25,
+        make_recurrent_fn(env, evaluate), num_simulations=4, max_num_considered_actions=16,
+        gumbel_scale=1.0, temperature=1.0, dirichlet_alpha=0.3, dirichlet_fraction=0.25,
     )  # fmt: skip
     root_prior = jax.nn.softmax(output.search_tree.children_prior_logits[:, 0])
     masked = np.where(legal, np.exp(logits), 0.0)
@@ -235,7 +236,8 @@ def test_search_never_selects_illegal_moves(search, game):
     for seed in range(3):
         output = run_search(
             search, None, jax.random.PRNGKey(seed), state, logits, jnp.zeros(64),
-            make_recurrent_fn(env, evaluate), 16, 16, 1.0, 1.0, 0.3, 0.25,
+            make_recurrent_fn(env, evaluate), num_simulations=16, max_num_considered_actions=16,
+            gumbel_scale=1.0, temperature=1.0, dirichlet_alpha=0.3, dirichlet_fraction=0.25,
         )  # fmt: skip
         playable = ~(state.terminated | state.truncated)
         chosen_legal = state.legal_action_mask[jnp.arange(64), output.action]
