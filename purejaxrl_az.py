@@ -600,8 +600,10 @@ class TrainState(NamedTuple):
     iteration: jax.Array  # int32
 
 
-def make_train(config: Config) -> Trainer:
-    game = resolve_game(config.env)
+def validate(config: Config, num_devices: int) -> None:
+    """ConfigError for a game this AlphaZero cannot play or settings it cannot run with on
+    `num_devices` devices; every check happens here, before anything is built."""
+    resolve_game(config.env)
     require_positive(
         config,
         "num_iterations",
@@ -630,7 +632,6 @@ def make_train(config: Config) -> Trainer:
             f"--eval-every ({config.eval_every}) iterations long, each ending in an evaluation; "
             "set --eval-every instead"
         )
-    num_devices = config.num_devices
     for name in ("num_games", "minibatch_size"):
         if getattr(config, name) % num_devices:
             raise ConfigError(
@@ -650,6 +651,12 @@ def make_train(config: Config) -> Trainer:
             f"{config.rollout_steps}"
         )
 
+
+def make_train(config: Config) -> Trainer:
+    num_devices = config.num_devices
+    validate(config, num_devices)
+    game = resolve_game(config.env)
+    buffer_rows = config.buffer_size // config.num_games  # moves kept of each game slot
     env = pgx.make(game)
     num_actions = env.num_actions
     games_per_device = config.num_games // num_devices
