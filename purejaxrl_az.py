@@ -11,11 +11,11 @@ policy even with few simulations; `--search puct` is AlphaZero's PUCT with Diric
 
 Read top to bottom: Config and per-game presets, the supported games and their board
 symmetries, the network, the pure pieces (masked priors, search, value targets, replay buffer,
-loss, evaluation opponents, Elo), then `make_train`, whose `_iteration` is one AlphaZero
+loss), then `make_train`, whose `_iteration` is one AlphaZero
 iteration: every game plays `rollout_steps` searched moves into the buffer -> value targets are
 recomputed over the buffer -> `updates_per_iteration` SGD steps. Every `eval_every` iterations
 the chunk ends with greedy-search games against a random player, a plain MCTS player and, for
-tic_tac_toe, a perfect minimax player.
+tic_tac_toe, a perfect minimax player (utils/board_eval.py).
 
 Conventions for two-player zero-sum games, as pgx defines them: players alternate (a pass is a
 move), `state.rewards[p]` is player p's reward, observations are from the mover's side. The
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from typing import Literal, NamedTuple
 
 import flax.linen as nn
@@ -38,6 +37,7 @@ import numpy as np
 import optax
 import pgx
 
+from utils.board_eval import evaluate_agent, opponents, solve_tic_tac_toe, write_game_records
 from utils.cli import RunConfig, exit_on_config_error, parse_config, require_positive
 from utils.devices import DEVICE_AXIS, device_mean, device_sum
 from utils.driver import Trainer, run_training
@@ -283,10 +283,8 @@ class ResNet(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------
-# Pure pieces: priors, search, value targets, replay buffer, loss, evaluation
+# Pure pieces: priors, search, value targets, replay buffer, loss
 # ---------------------------------------------------------------------------------------------
-
-MAX_RECORDED_MOVES = 512  # a game record for --capture-video keeps at most this many moves
 
 ILLEGAL_LOGIT = (
     -1e9
@@ -369,6 +367,28 @@ def run_search(
         dirichlet_fraction=dirichlet_fraction,
         temperature=temperature,
     )
+
+
+def plain_search(key, state, root_logits, root_value, evaluate_position, *, env, num_simulations):
+    """The search of utils/board_eval.py's plain MCTS opponent: PUCT with the real game as its
+    model, `evaluate_position(params, key, state) -> (logits, value)` valuing the positions it
+    reaches, no exploration noise, the most visited move. Returns actions [B]."""
+    output = run_search(
+        "puct",
+        None,
+        key,
+        state,
+        root_logits,
+        root_value,
+        make_recurrent_fn(env, evaluate_position),
+        num_simulations=num_simulations,
+        max_num_considered_actions=env.num_actions,  # gumbel only
+        gumbel_scale=0.0,
+        temperature=0.0,
+        dirichlet_alpha=0.3,
+        dirichlet_fraction=0.0,
+    )
+    return output.action
 
 
 def value_targets(reward, terminated, truncated, search_value, written, td_lambda, outcome: bool):
@@ -503,84 +523,6 @@ def az_loss(logits, value, legal, policy_target, value_target, weights):
     policy_loss = jnp.sum(weights * cross_entropy) / count
     value_loss = jnp.sum(weights * jnp.square(value - value_target)) / count
     return policy_loss, value_loss
-
-
-def random_rollout_value(env, state, key):
-    """The result of playing uniformly random legal moves to the end of the game, from the side
-    of `state`'s player to move (0 for positions that are already over). Batched states."""
-    batch = state.current_player.shape[0]
-    player = state.current_player
-
-    def _not_done(carry):
-        state, _, _ = carry
-        return ~jnp.all(state.terminated | state.truncated)
-
-    def _random_move(carry):
-        state, key, total = carry
-        key, move_key = jax.random.split(key)
-        logits = jnp.where(state.legal_action_mask, 0.0, -jnp.inf)
-        action = jax.random.categorical(move_key, logits)
-        state = jax.vmap(env.step)(state, action)  # finished games stay as they are
-        return state, key, total + state.rewards[jnp.arange(batch), player]
-
-    _, _, total = jax.lax.while_loop(_not_done, _random_move, (state, key, jnp.zeros(batch)))
-    return total
-
-
-def solve_tic_tac_toe() -> np.ndarray:
-    """Exact minimax action values of every tic_tac_toe position, from the mover's side:
-    [3**9, 9] int8, +1 win / 0 draw / -1 loss with perfect play, -2 for occupied cells. A
-    position's index is sum(cell * 3**i) over the cells in row-major order, with cell 0 empty,
-    1 the mover's mark and 2 the opponent's."""
-    lines = [(0, 1, 2), (3, 4, 5), (6, 7, 8), (0, 3, 6), (1, 4, 7), (2, 5, 8), (0, 4, 8), (2, 4, 6)]
-    table = np.full((3**9, 9), -2, np.int8)
-
-    @functools.cache
-    def action_values(board: tuple[int, ...]) -> tuple[int, ...]:
-        values = []
-        for cell in range(9):
-            if board[cell]:
-                values.append(-2)
-                continue
-            after = (*board[:cell], 1, *board[cell + 1 :])
-            if any(all(after[i] == 1 for i in line) for line in lines):
-                values.append(1)
-            elif all(after):
-                values.append(0)
-            else:  # the opponent moves next, with the marks seen from their side
-                flipped = tuple((3 - c) % 3 for c in after)
-                values.append(-max(action_values(flipped)))
-        table[sum(c * 3**i for i, c in enumerate(board))] = values
-        return tuple(values)
-
-    action_values((0,) * 9)
-    return table
-
-
-def tic_tac_toe_index(obs):
-    """Index into `solve_tic_tac_toe()` of pgx tic_tac_toe observations [..., 3, 3, 2] (channel
-    0: the mover's marks, 1: the opponent's)."""
-    cells = (obs[..., 0].astype(jnp.int32) + 2 * obs[..., 1].astype(jnp.int32)).reshape(
-        *obs.shape[:-3], 9
-    )
-    return jnp.sum(cells * (3 ** jnp.arange(9)), axis=-1)
-
-
-def elo_estimate(wins, draws, losses):
-    """Elo difference to the opponent from game counts, with a 95% interval from the score's
-    standard error. Scores are clipped half a game from 0 and 1 so that a clean sweep stays
-    finite. Returns (elo, low, high)."""
-    games = jnp.maximum(wins + draws + losses, 1.0)
-    score = (wins + 0.5 * draws) / games
-    variance = (wins + 0.25 * draws) / games - score**2
-    margin = 1.96 * jnp.sqrt(jnp.maximum(variance, 0.0) / games)
-    clip = 0.5 / games
-
-    def elo(s):
-        s = jnp.clip(s, clip, 1.0 - clip)
-        return 400.0 * jnp.log10(s / (1.0 - s))
-
-    return elo(score), elo(score - margin), elo(score + margin)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -859,140 +801,28 @@ def make_train(config: Config) -> Trainer:
         }
         return state, metrics
 
-    # --- Evaluation: greedy search against fixed opponents, both seats --------------------------
-
-    def random_player(state, key):
-        return jax.random.categorical(key, jnp.where(state.legal_action_mask, 0.0, -jnp.inf))
-
-    def mcts_player(state, key):
-        """Plain MCTS: uniform priors, values from one random rollout, PUCT, most visited."""
-        batch = state.current_player.shape[0]
-
-        def evaluate_by_rollout(params, key, state):
-            return jnp.zeros((batch, num_actions)), random_rollout_value(env, state, key)
-
-        search_key, rollout_key = jax.random.split(key)
-        root_value = random_rollout_value(env, state, rollout_key)
-        output = run_search(
-            "puct",
-            None,
-            search_key,
-            state,
-            jnp.zeros((batch, num_actions)),
-            root_value,
-            make_recurrent_fn(env, evaluate_by_rollout),
-            num_simulations=config.baseline_sims,
-            max_num_considered_actions=config.max_num_considered_actions,
-            gumbel_scale=0.0,
-            temperature=0.0,
-            dirichlet_alpha=0.3,
-            dirichlet_fraction=0.0,
-        )
-        return output.action
-
-    def oracle_player(state, key):
-        """A perfect tic_tac_toe player that picks uniformly among the optimal moves."""
-        values = oracle_table[tic_tac_toe_index(state.observation)]
-        best = values == jnp.max(values, axis=-1, keepdims=True)
-        return jax.random.categorical(key, jnp.where(best, 0.0, -jnp.inf))
-
-    opponents = {"random": random_player, "mcts": mcts_player}
-    if oracle_table is not None:
-        opponents["oracle"] = oracle_player
-
-    def play_against(variables, hp, opponent_index, key):
-        """eval_games_per_device games against one opponent, as two lock-step halves: the
-        agent moves first in half 0 and second in half 1. Players alternate, so at every ply
-        the agent is to move in all running games of one half and the opponent in all of the
-        other: each side searches only the games where it moves. Returns the agent's results
-        [2, half] (+1/0/-1), and (optimal, judged) agent-move counts for tic_tac_toe."""
-        half = eval_games_per_device // 2
-        init_key, loop_key = jax.random.split(key)
-        game_keys = jax.random.split(init_key, 2 * half)
-        games = jax.vmap(env.init)(game_keys)
-        games = jax.tree.map(lambda x: x.reshape(2, half, *x.shape[1:]), games)
-        agent = jnp.stack([games.current_player[0], 1 - games.current_player[1]])
-        index = jnp.arange(half)
-
-        def _not_done(carry):
-            games = carry[0]
-            return ~jnp.all(games.terminated | games.truncated)
-
-        def _ply(carry):
-            games, ply, key, result, optimal, judged, record = carry
-            key, agent_key, opponent_key = jax.random.split(key, 3)
-            agent_side = ply % 2  # the half where the agent is to move
-            agent_games = jax.tree.map(lambda x: x[agent_side], games)
-            other_games = jax.tree.map(lambda x: x[1 - agent_side], games)
-            agent_action = search_moves(variables, hp, agent_key, agent_games, greedy=True).action
-            other_action = jax.lax.switch(
-                opponent_index, list(opponents.values()), other_games, opponent_key
-            )
-            actions = jnp.where(
-                agent_side == 0,
-                jnp.stack([agent_action, other_action]),
-                jnp.stack([other_action, agent_action]),
-            )
-            if oracle_table is not None:
-                running = ~(agent_games.terminated | agent_games.truncated)
-                values = oracle_table[tic_tac_toe_index(agent_games.observation)]
-                is_best = values[index, agent_action] == jnp.max(values, axis=-1)
-                optimal = optimal + jnp.sum(running & is_best)
-                judged = judged + jnp.sum(running)
-            if config.capture_video:  # the moves of each half's first game, -1 once it ended
-                first_running = ~(games.terminated | games.truncated)[:, 0]
-                move = jnp.where(first_running, actions[:, 0], -1)
-                record = record.at[:, jnp.minimum(ply, MAX_RECORDED_MOVES - 1)].set(
-                    jnp.where(ply < MAX_RECORDED_MOVES, move, record[:, -1])
-                )
-            games = jax.vmap(jax.vmap(env.step))(games, actions)  # finished games stay put
-            reward = jnp.take_along_axis(games.rewards, agent[..., None], axis=-1)[..., 0]
-            return games, ply + 1, key, result + reward, optimal, judged, record
-
-        record = jnp.full((2, MAX_RECORDED_MOVES if config.capture_video else 0), -1, jnp.int32)
-        carry = (games, jnp.int32(0), loop_key, jnp.zeros((2, half)), jnp.int32(0), jnp.int32(0))
-        carry = (*carry, record)
-        _, _, _, result, optimal, judged, record = jax.lax.while_loop(_not_done, _ply, carry)
-        return result, optimal, judged, (game_keys[jnp.array([0, half])], record)
+    # --- Evaluation: greedy search against fixed opponents, both seats (utils/board_eval.py)
+    players = opponents(
+        env,
+        functools.partial(plain_search, env=env, num_simulations=config.baseline_sims),
+        oracle_table,
+    )
 
     def evaluate_in_loop(state: TrainState, key) -> dict:
         variables = variables_of(state)
 
-        # A scan over opponents traces the agent's search once, and its index stays unbatched
-        # under the seed vmap, so `lax.switch` runs only the opponent it names.
-        def _play(_, opponent_key):
-            opponent_index, key = opponent_key
-            return None, play_against(variables, state.hparams, opponent_index, key)
+        def agent(games, key):
+            return search_moves(variables, state.hparams, key, games, greedy=True).action
 
-        num_opponents = len(opponents)
-        _, (results, optimal, judged, (record_keys, record_moves)) = jax.lax.scan(
-            _play, None, (jnp.arange(num_opponents), jax.random.split(key, num_opponents))
+        return evaluate_agent(
+            agent,
+            key,
+            env=env,
+            players=players,
+            num_games=eval_games_per_device,
+            oracle_table=oracle_table,
+            capture_video=config.capture_video,
         )
-        metrics = {}
-        if config.capture_video:  # [opponents, seats, ...]: replayed on the host into SVGs
-            metrics["record_keys"], metrics["record_moves"] = record_keys, record_moves
-        for i, name in enumerate(opponents):
-            wins, draws, losses = (
-                device_sum(jnp.sum(results[i] == r).astype(jnp.float32)) for r in (1, 0, -1)
-            )
-            games = wins + draws + losses
-            elo, low, high = elo_estimate(wins, draws, losses)
-            metrics.update(
-                {
-                    f"eval_{name}_win": wins / games,
-                    f"eval_{name}_draw": draws / games,
-                    f"eval_{name}_loss": losses / games,
-                    f"eval_{name}_score": (wins + 0.5 * draws) / games,
-                    f"eval_{name}_elo": elo,
-                    f"eval_{name}_elo_low": low,
-                    f"eval_{name}_elo_high": high,
-                }
-            )
-        if oracle_table is not None:
-            optimal_total = device_sum(optimal.sum())
-            judged_total = device_sum(judged.sum())
-            metrics["eval_optimal_move_rate"] = optimal_total / jnp.maximum(judged_total, 1)
-        return metrics
 
     def train_chunk(state: TrainState, num_updates: int):
         """num_updates iterations, then one evaluation; its metrics sit at the chunk's last
@@ -1008,28 +838,6 @@ def make_train(config: Config) -> Trainer:
                 metrics[name] = nan.at[-1].set(value.astype(jnp.float32))
         return state._replace(key=key), metrics
 
-    def write_game_records(run_dir: str, update: int, records: dict) -> list[str]:
-        """One SVG animation per opponent and seat of the evaluation that ended at `update`,
-        replayed from the game's initial key and its moves with pgx's own renderer."""
-        os.makedirs(os.path.join(run_dir, "games"), exist_ok=True)
-        step = jax.jit(env.step)
-        paths = []
-        for i, opponent in enumerate(opponents):
-            for seat, seat_name in enumerate(("first", "second")):
-                state = env.init(records["record_keys"][i, seat])
-                states = [state]
-                for move in records["record_moves"][i, seat]:
-                    if move < 0:
-                        break
-                    state = step(state, jnp.int32(move))
-                    states.append(state)
-                name = f"iteration{update:06d}_{opponent}_agent_{seat_name}.svg"
-                path = os.path.join(run_dir, "games", name)
-                pgx.save_svg_animation(states, path + ".tmp", frame_duration_seconds=0.5)
-                os.replace(path + ".tmp", path)
-                paths.append(path)
-        return paths
-
     return Trainer(
         algo="az",
         env_id=game,
@@ -1042,7 +850,7 @@ def make_train(config: Config) -> Trainer:
         headline_metric="eval_mcts_score",
         step_unit="moves",
         updates_per_chunk=config.eval_every,
-        write_records=write_game_records,
+        write_records=functools.partial(write_game_records, env=env, opponent_names=tuple(players)),
         # JAX's rolled CPU form: unrolled, tic_tac_toe self-play ran ~9% slower and compiled longer
         unrolled_threefry=False,
     )
