@@ -11,11 +11,17 @@ policy even with few simulations; `--search puct` is AlphaZero's PUCT with Diric
 
 Read top to bottom: Config and per-game presets, the supported games and their board
 symmetries, the network, the pure pieces (masked priors, search, value targets, replay buffer,
-loss), then `make_train`, whose `_iteration` is one AlphaZero
-iteration: every game plays `rollout_steps` searched moves into the buffer -> value targets are
-recomputed over the buffer -> `updates_per_iteration` SGD steps. Every `eval_every` iterations
-the chunk ends with greedy-search games against a random player, a plain MCTS player and, for
+loss), the stages, then `make_train`, which binds them to the run's settings. One AlphaZero
+iteration (`iterate`): `selfplay` (every game plays `rollout_steps` searched moves) ->
+`add_to_buffer` (value targets are recomputed over the buffer) -> `learn`
+(`updates_per_iteration` SGD steps). Every `eval_every` iterations the chunk ends with
+`evaluate`: greedy-search games against a random player, a plain MCTS player and, for
 tic_tac_toe, a perfect minimax player (utils/board_eval.py).
+
+Shapes: every stage runs under the driver's `pmap(vmap(...))` and sees one seed on one device:
+G = num_games / devices games, T = rollout_steps moves per window, rows = buffer_size //
+num_games moves kept of each game, B = minibatch_size / devices positions per SGD step, and
+eval_episodes / devices evaluation games.
 
 Conventions for two-player zero-sum games, as pgx defines them: players alternate (a pass is a
 move), `state.rewards[p]` is player p's reward, observations are from the mover's side. The
@@ -255,7 +261,7 @@ class ResNet(nn.Module):
     num_blocks: int
     num_channels: int
     batch_norm: bool
-    conv_method: str = "matmul"  # see utils/layers.py and make_train
+    conv_method: str = "matmul"  # see utils/layers.py and make_networks
 
     @nn.compact
     def __call__(self, obs, train: bool = False):
@@ -280,6 +286,25 @@ class ResNet(nn.Module):
         value = nn.relu(nn.Dense(self.num_channels)(value.reshape(*batch_shape, -1)))
         value = jnp.tanh(nn.Dense(1)(value))[..., 0]
         return logits, value
+
+
+def make_networks(config: Config, env, one_run: bool) -> tuple[ResNet, ResNet]:
+    """The ResNet for search and the same one for SGD (`learner`): one set of parameters,
+    several ways to compute its convolutions (utils/layers.py). On boards of at most 3x3
+    (tic_tac_toe) one dense matmul over the whole board does the convolution's own arithmetic,
+    fastest for search and SGD alike. On larger boards, with one run, search runs XLA's
+    convolution (self-play about 10% faster on CPU); SGD, and all of it with vmapped seeds or
+    sweep configurations (`one_run` False), the matmul form (XLA's convolution gradient in a
+    loop: ~30x slower)."""
+    small_board = max(env.observation_shape[:2]) <= 3
+    network = ResNet(
+        env.num_actions,
+        config.num_blocks,
+        config.num_channels,
+        config.batch_norm,
+        conv_method="dense" if small_board else "xla" if one_run else "matmul",
+    )
+    return network, network.clone(conv_method="dense" if small_board else "matmul")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -430,7 +455,9 @@ def value_targets(reward, terminated, truncated, search_value, written, td_lambd
 
 
 class Position(NamedTuple):
-    """One searched position of self-play, as stored in the replay buffer."""
+    """One searched position of self-play, as stored in the replay buffer. Its leaves share
+    leading axes `...`: [G] for one move of every game, [T, G] for a self-play window, [rows,
+    G] in the buffer, [B] in a minibatch."""
 
     obs: jax.Array  # [..., *obs_shape] as pgx gives it (bool or float32)
     legal: jax.Array  # [..., num_actions] bool
@@ -446,9 +473,9 @@ class ReplayBuffer(NamedTuple):
     holds consecutive positions of its games and value targets can be computed in place. A
     ring: `next_row` is where the next move goes, `size` how many rows hold data."""
 
-    data: Position  # leaves [rows, games, ...]
-    targets: jax.Array  # [rows, games] value targets, valid where known
-    known: jax.Array  # [rows, games] bool
+    data: Position  # leaves [rows, G, ...]
+    targets: jax.Array  # [rows, G] value targets, valid where known
+    known: jax.Array  # [rows, G] bool
     next_row: jax.Array  # int32
     size: jax.Array  # int32
 
@@ -526,20 +553,317 @@ def az_loss(logits, value, legal, policy_target, value_target, weights):
 
 
 # ---------------------------------------------------------------------------------------------
-# Training
+# Stages: self-play -> targets -> learning, and evaluation (one seed on one device)
 # ---------------------------------------------------------------------------------------------
 
 
 class TrainState(NamedTuple):
-    params: dict
+    """Everything one seed carries from one iteration to the next, on one device."""
+
+    params: dict  # the network's parameters, the same on every device
     batch_stats: dict  # BatchNorm running statistics ({} without BatchNorm)
+    opt_state: optax.OptState  # Adam's moments, shaped like params
+    hparams: HyperParams  # [] each
+    buffer: ReplayBuffer  # leaves [rows, G, ...]
+    games: pgx.State  # [G] the games in progress
+    game_length: jax.Array  # [G] int32 moves played in each game so far
+    key: jax.Array  # [2] uint32
+    iteration: jax.Array  # [] int32
+
+
+def variables_of(state: TrainState, batch_norm: bool) -> dict:
+    """The network's variables: its parameters and, with BatchNorm, the running statistics."""
+    if batch_norm:
+        return {"params": state.params, "batch_stats": state.batch_stats}
+    return {"params": state.params}
+
+
+def new_games(env, key, num_games: int) -> pgx.State:
+    """`num_games` games at their initial positions, leaves [num_games, ...]."""
+    return jax.vmap(env.init)(jax.random.split(key, num_games))
+
+
+def agent_search(
+    variables,
+    hp: HyperParams,
+    key,
+    games: pgx.State,
+    *,
+    env,
+    network: ResNet,
+    search: str,
+    num_simulations: int,
+    max_num_considered_actions: int,
+    greedy: bool,
+) -> mctx.PolicyOutput:
+    """The agent's search from the positions `games` [B], the network valuing the root and
+    every position the search reaches; greedy turns all exploration off. Returns mctx's
+    PolicyOutput: action [B], action_weights [B, num_actions] and the search tree."""
+
+    def evaluate_position(variables, key, state):
+        return network.apply(variables, state.observation)
+
+    logits, value = network.apply(variables, games.observation)
+    zero = jnp.float32(0.0)
+    return run_search(
+        search,
+        variables,
+        key,
+        games,
+        logits,
+        value,
+        make_recurrent_fn(env, evaluate_position),
+        num_simulations=num_simulations,
+        max_num_considered_actions=max_num_considered_actions,
+        gumbel_scale=zero if greedy else hp.gumbel_scale,
+        temperature=zero if greedy else hp.temperature,
+        dirichlet_alpha=hp.dirichlet_alpha,
+        dirichlet_fraction=zero if greedy else hp.dirichlet_fraction,
+    )
+
+
+class SelfPlayOutput(NamedTuple):
+    """One self-play window: T = rollout_steps searched moves of each of the G games."""
+
+    games: pgx.State  # [G] the games after the window; unfinished ones carry over
+    game_length: jax.Array  # [G] int32 moves played in each of them
+    moves: Position  # leaves [T, G, ...] the searched positions, oldest first
+    done: jax.Array  # [T, G] bool: the game ended with this move
+    length: jax.Array  # [T, G] int32 moves the game had played after this move
+    draw: jax.Array  # [T, G] bool: the game ended with this move, in a draw
+
+
+def selfplay(
+    variables, hp: HyperParams, key, games, game_length, *, env, search_fn, rollout_steps: int
+) -> SelfPlayOutput:
+    """1. Self-play: every one of the games [G] (game_length [G] moves into them) makes
+    `rollout_steps` moves chosen by `search_fn` (`agent_search` with its settings bound) with
+    the current network; finished games restart at once, unfinished ones carry over to the
+    next iteration."""
+    num_games = games.current_player.shape[0]
+
+    def _selfplay_move(carry, key):
+        games, game_length = carry
+        search_key, reset_key = jax.random.split(key)
+        output = search_fn(variables, hp, search_key, games, greedy=False)
+        mover = games.current_player
+        after = jax.vmap(env.step)(games, output.action)
+        done = after.terminated | after.truncated
+        position = Position(
+            obs=games.observation,
+            legal=games.legal_action_mask,
+            policy=output.action_weights,
+            reward=after.rewards[jnp.arange(num_games), mover],
+            terminated=after.terminated,
+            truncated=after.truncated & ~after.terminated,
+            search_value=output.search_tree.node_values[:, mctx.Tree.ROOT_INDEX],
+        )
+        length = game_length + 1
+        ended = (done, length, after.terminated & jnp.all(after.rewards == 0, axis=-1))
+        fresh = new_games(env, reset_key, num_games)
+        games = jax.tree.map(
+            lambda new, old: jnp.where(done.reshape(-1, *[1] * (old.ndim - 1)), new, old),
+            fresh,
+            after,
+        )
+        return (games, jnp.where(done, 0, length)), (position, ended)
+
+    (games, game_length), (moves, (done, length, draw)) = jax.lax.scan(
+        _selfplay_move, (games, game_length), jax.random.split(key, rollout_steps)
+    )
+    return SelfPlayOutput(games, game_length, moves, done, length, draw)
+
+
+def add_to_buffer(
+    buffer: ReplayBuffer, moves: Position, td_lambda, *, outcome: bool
+) -> ReplayBuffer:
+    """2. Targets: the window's moves (leaves [T, G, ...]) go into the buffer, and value
+    targets are recomputed over all of it, so games that ended in this window complete
+    earlier positions too."""
+    buffer = buffer_add(buffer, moves)
+    return buffer_update_targets(buffer, td_lambda, outcome)
+
+
+class LearnOutput(NamedTuple):
+    """The network and optimiser after SGD, and the losses of each step."""
+
+    params: dict
+    batch_stats: dict
     opt_state: optax.OptState
-    hparams: HyperParams
-    buffer: ReplayBuffer
-    games: pgx.State  # the games in progress, [games per device]
-    game_length: jax.Array  # [games per device] moves played in each game so far
-    key: jax.Array
-    iteration: jax.Array  # int32
+    policy_loss: jax.Array  # [num_steps] ([] for one `sgd_step`)
+    value_loss: jax.Array  # [num_steps] ([] for one `sgd_step`)
+
+
+def sgd_step(
+    params, batch_stats, opt_state, buffer, hp, key, *, learner, game, perms, batch_size: int
+) -> LearnOutput:
+    """One SGD step on B = batch_size positions sampled uniformly from those with a target,
+    each seen through a random board symmetry (one of perms [S, num_actions]); gradients and
+    BatchNorm statistics are averaged over devices."""
+    sample_key, symmetry_key = jax.random.split(key)
+    batch, targets, weights = buffer_sample(buffer, sample_key, batch_size)
+    symmetry = jax.random.randint(symmetry_key, (batch_size,), 0, len(perms))
+    obs, legal, policy = jax.vmap(functools.partial(augment_position, game, perms))(
+        symmetry, batch.obs, batch.legal, batch.policy
+    )
+
+    def _loss(params):
+        variables = {"params": params}
+        if learner.batch_norm:
+            variables["batch_stats"] = batch_stats
+            (logits, value), updated = learner.apply(
+                variables, obs, train=True, mutable=["batch_stats"]
+            )
+            new_stats = updated["batch_stats"]
+        else:
+            logits, value = learner.apply(variables, obs, train=True)
+            new_stats = batch_stats
+        policy_loss, value_loss = az_loss(logits, value, legal, policy, targets, weights)
+        l2 = sum(jnp.sum(jnp.square(p)) for p in jax.tree.leaves(params))
+        loss = policy_loss + value_loss + hp.weight_decay * l2
+        return loss, (new_stats, policy_loss, value_loss)
+
+    grads, (batch_stats, policy_loss, value_loss) = jax.grad(_loss, has_aux=True)(params)
+    grads = device_mean(grads)
+    # Every device normalises its own samples; averaging the running statistics keeps the
+    # devices' networks identical.
+    batch_stats = device_mean(batch_stats)
+    updates, opt_state = optax.adam(hp.learning_rate).update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    return LearnOutput(params, batch_stats, opt_state, policy_loss, value_loss)
+
+
+def learn(
+    params,
+    batch_stats,
+    opt_state,
+    buffer: ReplayBuffer,
+    hp: HyperParams,
+    key,
+    *,
+    learner: ResNet,
+    game: str,
+    perms: np.ndarray,
+    batch_size: int,
+    num_steps: int,
+) -> LearnOutput:
+    """3. Learn: `num_steps` SGD steps (`sgd_step`, B = batch_size positions each) on the
+    buffer as it is after this iteration's targets. Losses are [num_steps]."""
+
+    def _sgd_step(carry, key):
+        output = sgd_step(
+            *carry, buffer, hp, key, learner=learner, game=game, perms=perms, batch_size=batch_size
+        )
+        return output[:3], output[3:]
+
+    (params, batch_stats, opt_state), (policy_loss, value_loss) = jax.lax.scan(
+        _sgd_step, (params, batch_stats, opt_state), jax.random.split(key, num_steps)
+    )
+    return LearnOutput(params, batch_stats, opt_state, policy_loss, value_loss)
+
+
+def iteration_metrics(played: SelfPlayOutput, learned: LearnOutput, buffer) -> dict:
+    """Scalar metrics of one iteration, reduced over devices; the self-play ones count the
+    games that ended in this window (NaN where none did)."""
+    finished = device_sum(played.done.sum())
+    return {
+        "policy_loss": device_mean(learned.policy_loss.mean()),
+        "value_loss": device_mean(learned.value_loss.mean()),
+        "selfplay_games": finished.astype(jnp.float32),
+        "selfplay_game_length": device_sum(jnp.sum(played.done * played.length))
+        / jnp.where(finished > 0, finished, jnp.nan),
+        "selfplay_draw_rate": device_sum(jnp.sum(played.draw))
+        / jnp.where(finished > 0, finished, jnp.nan),
+        "positions_with_target": device_sum(buffer.known.sum()).astype(jnp.float32),
+    }
+
+
+def iterate(state: TrainState, _, *, selfplay_fn, learn_fn, outcome: bool, batch_norm: bool):
+    """One AlphaZero iteration, a `lax.scan` body: self-play (`selfplay_fn`, `selfplay` bound)
+    -> targets -> SGD (`learn_fn`, `learn` bound). Returns (state, scalar metrics)."""
+    hp = state.hparams
+    variables = variables_of(state, batch_norm)
+    key, selfplay_key, sgd_key = jax.random.split(state.key, 3)
+    played = selfplay_fn(variables, hp, selfplay_key, state.games, state.game_length)
+    buffer = add_to_buffer(state.buffer, played.moves, hp.td_lambda, outcome=outcome)
+    learned = learn_fn(state.params, state.batch_stats, state.opt_state, buffer, hp, sgd_key)
+    state = state._replace(
+        params=learned.params,
+        batch_stats=learned.batch_stats,
+        opt_state=learned.opt_state,
+        buffer=buffer,
+        games=played.games,
+        game_length=played.game_length,
+        key=key,
+        iteration=state.iteration + 1,
+    )
+    return state, iteration_metrics(played, learned, buffer)
+
+
+def evaluate(state: TrainState, key, *, search_fn, evaluate_agent_fn, batch_norm: bool) -> dict:
+    """4. Evaluation: the agent's greedy search (`search_fn`, `agent_search` bound) plays
+    `evaluate_agent_fn` (utils/board_eval.py's `evaluate_agent` bound): matches from both
+    seats against each opponent. Returns its scalar metrics (and game records)."""
+    variables = variables_of(state, batch_norm)
+
+    def agent(games, key):
+        return search_fn(variables, state.hparams, key, games, greedy=True).action
+
+    return evaluate_agent_fn(agent, key)
+
+
+def train_chunk(state: TrainState, num_updates: int, *, iterate_fn, evaluate_fn):
+    """num_updates iterations (`iterate_fn`), then one evaluation (`evaluate_fn`); its metrics
+    sit at the chunk's last iteration and are NaN at the others. Returns (state, metrics
+    [num_updates] each, game records as they are)."""
+    state, metrics = jax.lax.scan(iterate_fn, state, None, num_updates)
+    key, eval_key = jax.random.split(state.key)
+    evaluation = evaluate_fn(state._replace(key=key), eval_key)
+    nan = jnp.full(num_updates, jnp.nan, jnp.float32)
+    for name, value in evaluation.items():
+        if name.startswith("record_"):
+            metrics[name] = value
+        else:
+            metrics[name] = nan.at[-1].set(value.astype(jnp.float32))
+    return state._replace(key=key), metrics
+
+
+def init(key, hp: HyperParams, *, env, network, num_games: int, buffer_rows: int) -> TrainState:
+    """A seed's state on this device: a fresh network (the same on every device), num_games
+    (G) new games and an empty buffer of buffer_rows moves of each."""
+    params_key, run_key = jax.random.split(key)
+    # Same parameters on every device; games, search noise and sampling differ.
+    run_key = jax.random.fold_in(run_key, jax.lax.axis_index(DEVICE_AXIS))
+    games_key, run_key = jax.random.split(run_key)
+    games = new_games(env, games_key, num_games)
+    variables = network.init(params_key, games.observation, train=False)
+    zeros = jnp.zeros(num_games, jnp.float32)
+    never = jnp.zeros(num_games, bool)
+    example = Position(
+        obs=games.observation,
+        legal=games.legal_action_mask,
+        policy=jnp.zeros((num_games, env.num_actions), jnp.float32),
+        reward=zeros,
+        terminated=never,
+        truncated=never,
+        search_value=zeros,
+    )
+    return TrainState(
+        params=variables["params"],
+        batch_stats=variables.get("batch_stats", {}),
+        opt_state=optax.adam(hp.learning_rate).init(variables["params"]),
+        hparams=hp,
+        buffer=buffer_init(example, buffer_rows),
+        games=games,
+        game_length=jnp.zeros(num_games, jnp.int32),
+        key=run_key,
+        iteration=jnp.int32(0),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Wiring
+# ---------------------------------------------------------------------------------------------
 
 
 def validate(config: Config, num_devices: int) -> None:
@@ -595,257 +919,73 @@ def validate(config: Config, num_devices: int) -> None:
 
 
 def make_train(config: Config) -> Trainer:
+    """The stages bound to this run's static settings (game, network, sizes per device), and
+    the Trainer the driver runs them with."""
     num_devices = config.num_devices
     validate(config, num_devices)
     game = resolve_game(config.env)
-    buffer_rows = config.buffer_size // config.num_games  # moves kept of each game slot
     env = pgx.make(game)
     num_actions = env.num_actions
-    games_per_device = config.num_games // num_devices
-    minibatch_per_device = config.minibatch_size // num_devices
-    eval_games_per_device = config.eval_episodes // num_devices
-    outcome_targets = config.value_target == "outcome"
     perms = (
         action_permutations(game, num_actions) if config.augment else np.arange(num_actions)[None]
     )
     oracle_table = jnp.asarray(solve_tic_tac_toe()) if game == "tic_tac_toe" else None
-    # One set of parameters, several ways to compute its convolutions (utils/layers.py). On
-    # boards of at most 3x3 (tic_tac_toe) one dense matmul over the whole board does the
-    # convolution's own arithmetic, fastest for search and SGD alike. On larger boards, with
-    # one run, search runs XLA's convolution (self-play about 10% faster on CPU); SGD, and all
-    # of it with vmapped seeds or sweep configurations, the matmul form (XLA's convolution
-    # gradient in a loop: ~30x slower).
-    small_board = max(env.observation_shape[:2]) <= 3
     one_run = config.num_seeds * num_configs(config.sweep) == 1
-    network = ResNet(
-        num_actions,
-        config.num_blocks,
-        config.num_channels,
-        config.batch_norm,
-        conv_method="dense" if small_board else "xla" if one_run else "matmul",
+    network, learner = make_networks(config, env, one_run)
+
+    search_fn = functools.partial(
+        agent_search,
+        env=env,
+        network=network,
+        search=config.search,
+        num_simulations=config.num_simulations,
+        max_num_considered_actions=config.max_num_considered_actions,
     )
-    learner = network.clone(conv_method="dense" if small_board else "matmul")
-
-    def evaluate_with_network(variables, key, state):
-        return network.apply(variables, state.observation)
-
-    recurrent_fn = make_recurrent_fn(env, evaluate_with_network)
-
-    def search_moves(variables, hp: HyperParams, key, state, greedy: bool):
-        """The agent's search from the positions `state`; greedy turns all exploration off."""
-        logits, value = network.apply(variables, state.observation)
-        zero = jnp.float32(0.0)
-        return run_search(
-            config.search,
-            variables,
-            key,
-            state,
-            logits,
-            value,
-            recurrent_fn,
-            num_simulations=config.num_simulations,
-            max_num_considered_actions=config.max_num_considered_actions,
-            gumbel_scale=zero if greedy else hp.gumbel_scale,
-            temperature=zero if greedy else hp.temperature,
-            dirichlet_alpha=hp.dirichlet_alpha,
-            dirichlet_fraction=zero if greedy else hp.dirichlet_fraction,
-        )
-
-    def new_games(key, num_games: int):
-        return jax.vmap(env.init)(jax.random.split(key, num_games))
-
-    hyperparams = HyperParams(*(np.float32(getattr(config, f)) for f in HyperParams._fields))
-
-    def init(key, hp: HyperParams) -> TrainState:
-        params_key, run_key = jax.random.split(key)
-        # Same parameters on every device; games, search noise and sampling differ.
-        run_key = jax.random.fold_in(run_key, jax.lax.axis_index(DEVICE_AXIS))
-        games_key, run_key = jax.random.split(run_key)
-        games = new_games(games_key, games_per_device)
-        variables = network.init(params_key, games.observation, train=False)
-        zeros = jnp.zeros(games_per_device, jnp.float32)
-        never = jnp.zeros(games_per_device, bool)
-        example = Position(
-            obs=games.observation,
-            legal=games.legal_action_mask,
-            policy=jnp.zeros((games_per_device, num_actions), jnp.float32),
-            reward=zeros,
-            terminated=never,
-            truncated=never,
-            search_value=zeros,
-        )
-        return TrainState(
-            params=variables["params"],
-            batch_stats=variables.get("batch_stats", {}),
-            opt_state=optax.adam(hp.learning_rate).init(variables["params"]),
-            hparams=hp,
-            buffer=buffer_init(example, buffer_rows),
-            games=games,
-            game_length=jnp.zeros(games_per_device, jnp.int32),
-            key=run_key,
-            iteration=jnp.int32(0),
-        )
-
-    def variables_of(state: TrainState) -> dict:
-        if config.batch_norm:
-            return {"params": state.params, "batch_stats": state.batch_stats}
-        return {"params": state.params}
-
-    def _iteration(state: TrainState, _):
-        hp = state.hparams
-        variables = variables_of(state)
-
-        # 1. Self-play: every game makes rollout_steps searched moves with the current network;
-        # finished games restart at once, unfinished ones carry over to the next iteration.
-        def _selfplay_move(carry, key):
-            games, game_length = carry
-            search_key, reset_key = jax.random.split(key)
-            output = search_moves(variables, hp, search_key, games, greedy=False)
-            mover = games.current_player
-            after = jax.vmap(env.step)(games, output.action)
-            done = after.terminated | after.truncated
-            position = Position(
-                obs=games.observation,
-                legal=games.legal_action_mask,
-                policy=output.action_weights,
-                reward=after.rewards[jnp.arange(games_per_device), mover],
-                terminated=after.terminated,
-                truncated=after.truncated & ~after.terminated,
-                search_value=output.search_tree.node_values[:, mctx.Tree.ROOT_INDEX],
-            )
-            length = game_length + 1
-            ended = (done, length, after.terminated & jnp.all(after.rewards == 0, axis=-1))
-            fresh = new_games(reset_key, games_per_device)
-            games = jax.tree.map(
-                lambda new, old: jnp.where(done.reshape(-1, *[1] * (old.ndim - 1)), new, old),
-                fresh,
-                after,
-            )
-            return (games, jnp.where(done, 0, length)), (position, ended)
-
-        key, selfplay_key, sgd_key = jax.random.split(state.key, 3)
-        (games, game_length), (moves, (done, length, draw)) = jax.lax.scan(
-            _selfplay_move,
-            (state.games, state.game_length),
-            jax.random.split(selfplay_key, config.rollout_steps),
-        )
-
-        # 2. Targets: the window's moves go into the buffer, and value targets are recomputed
-        # over all of it, so games that ended in this window complete earlier positions too.
-        buffer = buffer_add(state.buffer, moves)
-        buffer = buffer_update_targets(buffer, hp.td_lambda, outcome_targets)
-
-        # 3. Learn: updates_per_iteration SGD steps on uniform samples of positions with a
-        # target, each seen through a random board symmetry.
-        def _sgd_step(carry, key):
-            params, batch_stats, opt_state = carry
-            sample_key, symmetry_key = jax.random.split(key)
-            batch, targets, weights = buffer_sample(buffer, sample_key, minibatch_per_device)
-            symmetry = jax.random.randint(symmetry_key, (minibatch_per_device,), 0, len(perms))
-            obs, legal, policy = jax.vmap(functools.partial(augment_position, game, perms))(
-                symmetry, batch.obs, batch.legal, batch.policy
-            )
-
-            def _loss(params):
-                variables = {"params": params}
-                if config.batch_norm:
-                    variables["batch_stats"] = batch_stats
-                    (logits, value), updated = learner.apply(
-                        variables, obs, train=True, mutable=["batch_stats"]
-                    )
-                    new_stats = updated["batch_stats"]
-                else:
-                    logits, value = learner.apply(variables, obs, train=True)
-                    new_stats = batch_stats
-                policy_loss, value_loss = az_loss(logits, value, legal, policy, targets, weights)
-                l2 = sum(jnp.sum(jnp.square(p)) for p in jax.tree.leaves(params))
-                loss = policy_loss + value_loss + hp.weight_decay * l2
-                return loss, (new_stats, policy_loss, value_loss)
-
-            grads, (batch_stats, policy_loss, value_loss) = jax.grad(_loss, has_aux=True)(params)
-            grads = device_mean(grads)
-            # Every device normalises its own samples; averaging the running statistics keeps
-            # the devices' networks identical.
-            batch_stats = device_mean(batch_stats)
-            updates, opt_state = optax.adam(hp.learning_rate).update(grads, opt_state, params)
-            params = optax.apply_updates(params, updates)
-            return (params, batch_stats, opt_state), (policy_loss, value_loss)
-
-        (params, batch_stats, opt_state), (policy_loss, value_loss) = jax.lax.scan(
-            _sgd_step,
-            (state.params, state.batch_stats, state.opt_state),
-            jax.random.split(sgd_key, config.updates_per_iteration),
-        )
-        state = state._replace(
-            params=params,
-            batch_stats=batch_stats,
-            opt_state=opt_state,
-            buffer=buffer,
-            games=games,
-            game_length=game_length,
-            key=key,
-            iteration=state.iteration + 1,
-        )
-
-        # 4. Metrics, reduced over devices: self-play games that ended in this window.
-        finished = device_sum(done.sum())
-        metrics = {
-            "policy_loss": device_mean(policy_loss.mean()),
-            "value_loss": device_mean(value_loss.mean()),
-            "selfplay_games": finished.astype(jnp.float32),
-            "selfplay_game_length": device_sum(jnp.sum(done * length))
-            / jnp.where(finished > 0, finished, jnp.nan),
-            "selfplay_draw_rate": device_sum(jnp.sum(draw))
-            / jnp.where(finished > 0, finished, jnp.nan),
-            "positions_with_target": device_sum(buffer.known.sum()).astype(jnp.float32),
-        }
-        return state, metrics
-
-    # --- Evaluation: greedy search against fixed opponents, both seats (utils/board_eval.py)
-    players = opponents(
-        env,
-        functools.partial(plain_search, env=env, num_simulations=config.baseline_sims),
-        oracle_table,
+    iterate_fn = functools.partial(
+        iterate,
+        selfplay_fn=functools.partial(
+            selfplay, env=env, search_fn=search_fn, rollout_steps=config.rollout_steps
+        ),
+        learn_fn=functools.partial(
+            learn,
+            learner=learner,
+            game=game,
+            perms=perms,
+            batch_size=config.minibatch_size // num_devices,
+            num_steps=config.updates_per_iteration,
+        ),
+        outcome=config.value_target == "outcome",
+        batch_norm=config.batch_norm,
     )
-
-    def evaluate_in_loop(state: TrainState, key) -> dict:
-        variables = variables_of(state)
-
-        def agent(games, key):
-            return search_moves(variables, state.hparams, key, games, greedy=True).action
-
-        return evaluate_agent(
-            agent,
-            key,
+    mcts_search = functools.partial(plain_search, env=env, num_simulations=config.baseline_sims)
+    players = opponents(env, mcts_search, oracle_table)
+    evaluate_fn = functools.partial(
+        evaluate,
+        search_fn=search_fn,
+        evaluate_agent_fn=functools.partial(
+            evaluate_agent,
             env=env,
             players=players,
-            num_games=eval_games_per_device,
+            num_games=config.eval_episodes // num_devices,
             oracle_table=oracle_table,
             capture_video=config.capture_video,
-        )
-
-    def train_chunk(state: TrainState, num_updates: int):
-        """num_updates iterations, then one evaluation; its metrics sit at the chunk's last
-        iteration and are NaN at the others."""
-        state, metrics = jax.lax.scan(_iteration, state, None, num_updates)
-        key, eval_key = jax.random.split(state.key)
-        evaluation = evaluate_in_loop(state._replace(key=key), eval_key)
-        nan = jnp.full(num_updates, jnp.nan, jnp.float32)
-        for name, value in evaluation.items():
-            if name.startswith("record_"):
-                metrics[name] = value
-            else:
-                metrics[name] = nan.at[-1].set(value.astype(jnp.float32))
-        return state._replace(key=key), metrics
-
+        ),
+        batch_norm=config.batch_norm,
+    )
     return Trainer(
         algo="az",
         env_id=game,
         num_updates=config.num_iterations,
         steps_per_update=config.num_games * config.rollout_steps,
-        hyperparams=hyperparams,
-        init=init,
-        train_chunk=train_chunk,
+        hyperparams=HyperParams(*(np.float32(getattr(config, f)) for f in HyperParams._fields)),
+        init=functools.partial(
+            init,
+            env=env,
+            network=network,
+            num_games=config.num_games // num_devices,
+            buffer_rows=config.buffer_size // config.num_games,  # moves kept of each game slot
+        ),
+        train_chunk=functools.partial(train_chunk, iterate_fn=iterate_fn, evaluate_fn=evaluate_fn),
         evaluate=None,
         headline_metric="eval_mcts_score",
         step_unit="moves",
