@@ -11,11 +11,17 @@ policy even with few simulations; `--search puct` is AlphaZero's PUCT with Diric
 
 Read top to bottom: Config and per-game presets, the supported games and their board
 symmetries, the network, the pure pieces (masked priors, search, value targets, replay buffer,
-loss, evaluation opponents, Elo), then `make_train`, whose `_iteration` is one AlphaZero
-iteration: every game plays `rollout_steps` searched moves into the buffer -> value targets are
-recomputed over the buffer -> `updates_per_iteration` SGD steps. Every `eval_every` iterations
-the chunk ends with greedy-search games against a random player, a plain MCTS player and, for
-tic_tac_toe, a perfect minimax player.
+loss), the stages, then `make_train`, which binds them to the run's settings. One AlphaZero
+iteration (`iterate`): `selfplay` (every game plays `rollout_steps` searched moves) ->
+`add_to_buffer` (value targets are recomputed over the buffer) -> `learn`
+(`updates_per_iteration` SGD steps). Every `eval_every` iterations the chunk ends with
+`evaluate`: greedy-search games against a random player, a plain MCTS player and, for
+tic_tac_toe, a perfect minimax player (utils/board_eval.py).
+
+Shapes: every stage runs under the driver's `pmap(vmap(...))` and sees one seed on one device:
+G = num_games / devices games, T = rollout_steps moves per window, rows = buffer_size //
+num_games moves kept of each game, B = minibatch_size / devices positions per SGD step, and
+eval_games / devices evaluation games.
 
 Conventions for two-player zero-sum games, as pgx defines them: players alternate (a pass is a
 move), `state.rewards[p]` is player p's reward, observations are from the mover's side. The
@@ -27,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from typing import Literal, NamedTuple
 
 import flax.linen as nn
@@ -38,7 +43,8 @@ import numpy as np
 import optax
 import pgx
 
-from utils.cli import RunConfig, exit_on_config_error, parse_config, require_positive
+from utils.board_eval import evaluate_agent, opponents, solve_tic_tac_toe, write_game_records
+from utils.cli import RunConfig, exit_on_config_error, parse_config, require_in, require_positive
 from utils.devices import DEVICE_AXIS, device_mean, device_sum
 from utils.driver import run_training
 from utils.errors import ConfigError
@@ -106,15 +112,15 @@ class Config(RunConfig):
     eval_every: int = 10
     """iterations between evaluations; a compiled chunk ends with one, so logging and
     checkpoints happen at the same points"""
-    eval_episodes: int = 64
-    """evaluation games per opponent, half with the agent moving first"""
+    eval_games: int = 64
+    """evaluation games per opponent, half with the agent moving first (0: no evaluation)"""
     baseline_sims: int = 64
     """simulations of the plain MCTS opponent (uniform priors, random-rollout values)"""
-    cpu_devices: int = -1
+    cpu_devices: int = 0
     """on a CPU-only host, split the CPU into this many XLA devices, games split over them
-    (-1: one per core, the fastest for self-play; 0: JAX's single CPU device). Ignored on
-    GPU/TPU hosts"""
-    capture_video: bool = False
+    (-1: one per core, the fastest for self-play, and the command line's default; 0: JAX's
+    single CPU device, the default of a Config built in Python). Ignored on GPU/TPU hosts"""
+    record_games: bool = False
     """at each evaluation, write one game per opponent and seat as an SVG animation (pgx's
     renderer) into RUN_DIR/games/ (and wandb with --track)"""
 
@@ -142,7 +148,7 @@ PRESETS = {
             num_blocks=4,
             num_channels=64,
             eval_every=20,
-            eval_episodes=32,
+            eval_games=32,
         )
         for game in ("othello", "hex", "go_9x9", "animal_shogi", "gardner_chess")
     },
@@ -254,7 +260,7 @@ class ResNet(nn.Module):
     num_blocks: int
     num_channels: int
     batch_norm: bool
-    conv_method: str = "matmul"  # see utils/layers.py and make_train
+    conv_method: str = "matmul"  # see utils/layers.py and make_networks
 
     @nn.compact
     def __call__(self, obs, train: bool = False):
@@ -281,11 +287,28 @@ class ResNet(nn.Module):
         return logits, value
 
 
-# ---------------------------------------------------------------------------------------------
-# Pure pieces: priors, search, value targets, replay buffer, loss, evaluation
-# ---------------------------------------------------------------------------------------------
+def make_networks(config: Config, env, *, one_run: bool) -> tuple[ResNet, ResNet]:
+    """The ResNet for search and the same one for SGD (`learner`): one set of parameters,
+    several ways to compute its convolutions (utils/layers.py). On boards of at most 3x3
+    (tic_tac_toe) one dense matmul over the whole board does the convolution's own arithmetic,
+    fastest for search and SGD alike. On larger boards, with one run, search runs XLA's
+    convolution, faster for a forward pass; SGD, and all of it with vmapped seeds or sweep
+    configurations (`one_run` False), the matmul form, since XLA's convolution gradient in a
+    loop and its convolution with batched parameters are slow on CPU (docs/benchmarks.md)."""
+    small_board = max(env.observation_shape[:2]) <= 3
+    network = ResNet(
+        env.num_actions,
+        config.num_blocks,
+        config.num_channels,
+        config.batch_norm,
+        conv_method="dense" if small_board else "xla" if one_run else "matmul",
+    )
+    return network, network.clone(conv_method="dense" if small_board else "matmul")
 
-MAX_RECORDED_MOVES = 512  # a game record for --capture-video keeps at most this many moves
+
+# ---------------------------------------------------------------------------------------------
+# Pure pieces: priors, search, value targets, replay buffer, loss
+# ---------------------------------------------------------------------------------------------
 
 ILLEGAL_LOGIT = (
     -1e9
@@ -330,6 +353,7 @@ def run_search(
     root_logits,
     root_value,
     recurrent_fn,
+    *,
     num_simulations: int,
     max_num_considered_actions: int,
     gumbel_scale,
@@ -337,8 +361,11 @@ def run_search(
     dirichlet_alpha,
     dirichlet_fraction,
 ) -> mctx.PolicyOutput:
-    """One batched search from the positions `state`. Illegal moves are masked in the root
-    prior and excluded by `invalid_actions`, so the chosen action is always legal."""
+    """One batched search from the positions `state` [B]: `root_logits` [B, num_actions] and
+    `root_value` [B] from the mover's side. Illegal moves are masked in the root prior and
+    excluded by `invalid_actions`, so the chosen action is always legal. The tuning arguments
+    after `*` are mctx's, by keyword as mctx takes them: gumbel uses
+    max_num_considered_actions and gumbel_scale, puct the temperature and the Dirichlet noise."""
     root = mctx.RootFnOutput(
         prior_logits=masked_logits(root_logits, state.legal_action_mask),
         value=root_value,
@@ -364,6 +391,28 @@ def run_search(
         dirichlet_fraction=dirichlet_fraction,
         temperature=temperature,
     )
+
+
+def plain_search(key, state, root_logits, root_value, evaluate_position, *, env, num_simulations):
+    """The search of utils/board_eval.py's plain MCTS opponent: PUCT with the real game as its
+    model, `evaluate_position(params, key, state) -> (logits, value)` valuing the positions it
+    reaches, no exploration noise, the most visited move. Returns actions [B]."""
+    output = run_search(
+        "puct",
+        None,
+        key,
+        state,
+        root_logits,
+        root_value,
+        make_recurrent_fn(env, evaluate_position),
+        num_simulations=num_simulations,
+        max_num_considered_actions=env.num_actions,  # gumbel only
+        gumbel_scale=0.0,
+        temperature=0.0,
+        dirichlet_alpha=0.3,
+        dirichlet_fraction=0.0,
+    )
+    return output.action
 
 
 def value_targets(reward, terminated, truncated, search_value, written, td_lambda, outcome: bool):
@@ -405,7 +454,9 @@ def value_targets(reward, terminated, truncated, search_value, written, td_lambd
 
 
 class Position(NamedTuple):
-    """One searched position of self-play, as stored in the replay buffer."""
+    """One searched position of self-play, as stored in the replay buffer. Its leaves share
+    leading axes `...`: [G] for one move of every game, [T, G] for a self-play window, [rows,
+    G] in the buffer, [B] in a minibatch."""
 
     obs: jax.Array  # [..., *obs_shape] as pgx gives it (bool or float32)
     legal: jax.Array  # [..., num_actions] bool
@@ -421,9 +472,9 @@ class ReplayBuffer(NamedTuple):
     holds consecutive positions of its games and value targets can be computed in place. A
     ring: `next_row` is where the next move goes, `size` how many rows hold data."""
 
-    data: Position  # leaves [rows, games, ...]
-    targets: jax.Array  # [rows, games] value targets, valid where known
-    known: jax.Array  # [rows, games] bool
+    data: Position  # leaves [rows, G, ...]
+    targets: jax.Array  # [rows, G] value targets, valid where known
+    known: jax.Array  # [rows, G] bool
     next_row: jax.Array  # int32
     size: jax.Array  # int32
 
@@ -500,103 +551,324 @@ def az_loss(logits, value, legal, policy_target, value_target, weights):
     return policy_loss, value_loss
 
 
-def random_rollout_value(env, state, key):
-    """The result of playing uniformly random legal moves to the end of the game, from the side
-    of `state`'s player to move (0 for positions that are already over). Batched states."""
-    batch = state.current_player.shape[0]
-    player = state.current_player
-
-    def _not_done(carry):
-        state, _, _ = carry
-        return ~jnp.all(state.terminated | state.truncated)
-
-    def _random_move(carry):
-        state, key, total = carry
-        key, move_key = jax.random.split(key)
-        logits = jnp.where(state.legal_action_mask, 0.0, -jnp.inf)
-        action = jax.random.categorical(move_key, logits)
-        state = jax.vmap(env.step)(state, action)  # finished games stay as they are
-        return state, key, total + state.rewards[jnp.arange(batch), player]
-
-    _, _, total = jax.lax.while_loop(_not_done, _random_move, (state, key, jnp.zeros(batch)))
-    return total
-
-
-def solve_tic_tac_toe() -> np.ndarray:
-    """Exact minimax action values of every tic_tac_toe position, from the mover's side:
-    [3**9, 9] int8, +1 win / 0 draw / -1 loss with perfect play, -2 for occupied cells. A
-    position's index is sum(cell * 3**i) over the cells in row-major order, with cell 0 empty,
-    1 the mover's mark and 2 the opponent's."""
-    lines = [(0, 1, 2), (3, 4, 5), (6, 7, 8), (0, 3, 6), (1, 4, 7), (2, 5, 8), (0, 4, 8), (2, 4, 6)]
-    table = np.full((3**9, 9), -2, np.int8)
-
-    @functools.cache
-    def action_values(board: tuple[int, ...]) -> tuple[int, ...]:
-        values = []
-        for cell in range(9):
-            if board[cell]:
-                values.append(-2)
-                continue
-            after = (*board[:cell], 1, *board[cell + 1 :])
-            if any(all(after[i] == 1 for i in line) for line in lines):
-                values.append(1)
-            elif all(after):
-                values.append(0)
-            else:  # the opponent moves next, with the marks seen from their side
-                flipped = tuple((3 - c) % 3 for c in after)
-                values.append(-max(action_values(flipped)))
-        table[sum(c * 3**i for i, c in enumerate(board))] = values
-        return tuple(values)
-
-    action_values((0,) * 9)
-    return table
-
-
-def tic_tac_toe_index(obs):
-    """Index into `solve_tic_tac_toe()` of pgx tic_tac_toe observations [..., 3, 3, 2] (channel
-    0: the mover's marks, 1: the opponent's)."""
-    cells = (obs[..., 0].astype(jnp.int32) + 2 * obs[..., 1].astype(jnp.int32)).reshape(
-        *obs.shape[:-3], 9
-    )
-    return jnp.sum(cells * (3 ** jnp.arange(9)), axis=-1)
-
-
-def elo_estimate(wins, draws, losses):
-    """Elo difference to the opponent from game counts, with a 95% interval from the score's
-    standard error. Scores are clipped half a game from 0 and 1 so that a clean sweep stays
-    finite. Returns (elo, low, high)."""
-    games = jnp.maximum(wins + draws + losses, 1.0)
-    score = (wins + 0.5 * draws) / games
-    variance = (wins + 0.25 * draws) / games - score**2
-    margin = 1.96 * jnp.sqrt(jnp.maximum(variance, 0.0) / games)
-    clip = 0.5 / games
-
-    def elo(s):
-        s = jnp.clip(s, clip, 1.0 - clip)
-        return 400.0 * jnp.log10(s / (1.0 - s))
-
-    return elo(score), elo(score - margin), elo(score + margin)
-
-
 # ---------------------------------------------------------------------------------------------
-# Training
+# Stages: self-play -> targets -> learning, and evaluation (one seed on one device)
 # ---------------------------------------------------------------------------------------------
 
 
 class TrainState(NamedTuple):
-    params: dict
+    """Everything one seed carries from one iteration to the next, on one device."""
+
+    params: dict  # the network's parameters, the same on every device
     batch_stats: dict  # BatchNorm running statistics ({} without BatchNorm)
+    opt_state: optax.OptState  # Adam's moments, shaped like params
+    hparams: HyperParams  # [] each
+    buffer: ReplayBuffer  # leaves [rows, G, ...]
+    games: pgx.State  # [G] the games in progress
+    game_length: jax.Array  # [G] int32 moves played in each game so far
+    key: jax.Array  # [2] uint32
+    iteration: jax.Array  # [] int32
+
+
+def variables_of(state: TrainState, batch_norm: bool) -> dict:
+    """The network's variables: its parameters and, with BatchNorm, the running statistics."""
+    if batch_norm:
+        return {"params": state.params, "batch_stats": state.batch_stats}
+    return {"params": state.params}
+
+
+def new_games(env, key, num_games: int) -> pgx.State:
+    """`num_games` games at their initial positions, leaves [num_games, ...]."""
+    return jax.vmap(env.init)(jax.random.split(key, num_games))
+
+
+def agent_search(
+    variables,
+    hp: HyperParams,
+    key,
+    games: pgx.State,
+    *,
+    env,
+    network: ResNet,
+    search: str,
+    num_simulations: int,
+    max_num_considered_actions: int,
+    greedy: bool,
+) -> mctx.PolicyOutput:
+    """The agent's search from the positions `games` [B], the network valuing the root and
+    every position the search reaches; greedy turns all exploration off. Returns mctx's
+    PolicyOutput: action [B], action_weights [B, num_actions] and the search tree."""
+
+    def evaluate_position(variables, key, state):
+        return network.apply(variables, state.observation)
+
+    logits, value = network.apply(variables, games.observation)
+    zero = jnp.float32(0.0)
+    return run_search(
+        search,
+        variables,
+        key,
+        games,
+        logits,
+        value,
+        make_recurrent_fn(env, evaluate_position),
+        num_simulations=num_simulations,
+        max_num_considered_actions=max_num_considered_actions,
+        gumbel_scale=zero if greedy else hp.gumbel_scale,
+        temperature=zero if greedy else hp.temperature,
+        dirichlet_alpha=hp.dirichlet_alpha,
+        dirichlet_fraction=zero if greedy else hp.dirichlet_fraction,
+    )
+
+
+class SelfPlayOutput(NamedTuple):
+    """One self-play window: T = rollout_steps searched moves of each of the G games."""
+
+    games: pgx.State  # [G] the games after the window; unfinished ones carry over
+    game_length: jax.Array  # [G] int32 moves played in each of them
+    moves: Position  # leaves [T, G, ...] the searched positions, oldest first
+    done: jax.Array  # [T, G] bool: the game ended with this move
+    length: jax.Array  # [T, G] int32 moves the game had played after this move
+    draw: jax.Array  # [T, G] bool: the game ended with this move, in a draw
+
+
+def selfplay(
+    variables, hp: HyperParams, key, games, game_length, *, env, search_fn, rollout_steps: int
+) -> SelfPlayOutput:
+    """1. Self-play: every one of the games [G] (game_length [G] moves into them) makes
+    `rollout_steps` moves chosen by `search_fn` (`agent_search` with its settings bound) with
+    the current network; finished games restart at once, unfinished ones carry over to the
+    next iteration."""
+    num_games = games.current_player.shape[0]
+
+    def _selfplay_move(carry, key):
+        games, game_length = carry
+        search_key, reset_key = jax.random.split(key)
+        output = search_fn(variables, hp, search_key, games, greedy=False)
+        mover = games.current_player
+        after = jax.vmap(env.step)(games, output.action)
+        done = after.terminated | after.truncated
+        position = Position(
+            obs=games.observation,
+            legal=games.legal_action_mask,
+            policy=output.action_weights,
+            reward=after.rewards[jnp.arange(num_games), mover],
+            terminated=after.terminated,
+            truncated=after.truncated & ~after.terminated,
+            search_value=output.search_tree.node_values[:, mctx.Tree.ROOT_INDEX],
+        )
+        length = game_length + 1
+        ended = (done, length, after.terminated & jnp.all(after.rewards == 0, axis=-1))
+        fresh = new_games(env, reset_key, num_games)
+        games = jax.tree.map(
+            lambda new, old: jnp.where(done.reshape(-1, *[1] * (old.ndim - 1)), new, old),
+            fresh,
+            after,
+        )
+        return (games, jnp.where(done, 0, length)), (position, ended)
+
+    (games, game_length), (moves, (done, length, draw)) = jax.lax.scan(
+        _selfplay_move, (games, game_length), jax.random.split(key, rollout_steps)
+    )
+    return SelfPlayOutput(games, game_length, moves, done, length, draw)
+
+
+def add_to_buffer(
+    buffer: ReplayBuffer, moves: Position, td_lambda, *, outcome: bool
+) -> ReplayBuffer:
+    """2. Targets: the window's moves (leaves [T, G, ...]) go into the buffer, and value
+    targets are recomputed over all of it, so games that ended in this window complete
+    earlier positions too."""
+    buffer = buffer_add(buffer, moves)
+    return buffer_update_targets(buffer, td_lambda, outcome)
+
+
+class LearnOutput(NamedTuple):
+    """The network and optimiser after SGD, and the losses of each step."""
+
+    params: dict
+    batch_stats: dict
     opt_state: optax.OptState
-    hparams: HyperParams
-    buffer: ReplayBuffer
-    games: pgx.State  # the games in progress, [games per device]
-    game_length: jax.Array  # [games per device] moves played in each game so far
-    key: jax.Array
-    iteration: jax.Array  # int32
+    policy_loss: jax.Array  # [num_steps] ([] for one `sgd_step`)
+    value_loss: jax.Array  # [num_steps] ([] for one `sgd_step`)
+
+
+def sgd_step(
+    params, batch_stats, opt_state, buffer, hp, key, *, learner, game, perms, batch_size: int
+) -> LearnOutput:
+    """One SGD step on B = batch_size positions sampled uniformly from those with a target,
+    each seen through a random board symmetry (one of perms [S, num_actions]); gradients and
+    BatchNorm statistics are averaged over devices."""
+    sample_key, symmetry_key = jax.random.split(key)
+    batch, targets, weights = buffer_sample(buffer, sample_key, batch_size)
+    symmetry = jax.random.randint(symmetry_key, (batch_size,), 0, len(perms))
+    obs, legal, policy = jax.vmap(functools.partial(augment_position, game, perms))(
+        symmetry, batch.obs, batch.legal, batch.policy
+    )
+
+    def _loss(params):
+        variables = {"params": params}
+        if learner.batch_norm:
+            variables["batch_stats"] = batch_stats
+            (logits, value), updated = learner.apply(
+                variables, obs, train=True, mutable=["batch_stats"]
+            )
+            new_stats = updated["batch_stats"]
+        else:
+            logits, value = learner.apply(variables, obs, train=True)
+            new_stats = batch_stats
+        policy_loss, value_loss = az_loss(logits, value, legal, policy, targets, weights)
+        l2 = sum(jnp.sum(jnp.square(p)) for p in jax.tree.leaves(params))
+        loss = policy_loss + value_loss + hp.weight_decay * l2
+        return loss, (new_stats, policy_loss, value_loss)
+
+    grads, (batch_stats, policy_loss, value_loss) = jax.grad(_loss, has_aux=True)(params)
+    grads = device_mean(grads)
+    # Every device normalises its own samples; averaging the running statistics keeps the
+    # devices' networks identical.
+    batch_stats = device_mean(batch_stats)
+    updates, opt_state = optax.adam(hp.learning_rate).update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    return LearnOutput(params, batch_stats, opt_state, policy_loss, value_loss)
+
+
+def learn(
+    params,
+    batch_stats,
+    opt_state,
+    buffer: ReplayBuffer,
+    hp: HyperParams,
+    key,
+    *,
+    learner: ResNet,
+    game: str,
+    perms: np.ndarray,
+    batch_size: int,
+    num_steps: int,
+) -> LearnOutput:
+    """3. Learn: `num_steps` SGD steps (`sgd_step`, B = batch_size positions each) on the
+    buffer as it is after this iteration's targets. Losses are [num_steps]."""
+
+    def _sgd_step(carry, key):
+        output = sgd_step(
+            *carry, buffer, hp, key, learner=learner, game=game, perms=perms, batch_size=batch_size
+        )
+        return output[:3], output[3:]
+
+    (params, batch_stats, opt_state), (policy_loss, value_loss) = jax.lax.scan(
+        _sgd_step, (params, batch_stats, opt_state), jax.random.split(key, num_steps)
+    )
+    return LearnOutput(params, batch_stats, opt_state, policy_loss, value_loss)
+
+
+def iteration_metrics(played: SelfPlayOutput, learned: LearnOutput, buffer) -> dict:
+    """Scalar metrics of one iteration, reduced over devices; the self-play ones count the
+    games that ended in this window (NaN where none did)."""
+    finished = device_sum(played.done.sum())
+    return {
+        "policy_loss": device_mean(learned.policy_loss.mean()),
+        "value_loss": device_mean(learned.value_loss.mean()),
+        "selfplay_games": finished.astype(jnp.float32),
+        "selfplay_game_length": device_sum(jnp.sum(played.done * played.length))
+        / jnp.where(finished > 0, finished, jnp.nan),
+        "selfplay_draw_rate": device_sum(jnp.sum(played.draw))
+        / jnp.where(finished > 0, finished, jnp.nan),
+        "positions_with_target": device_sum(buffer.known.sum()).astype(jnp.float32),
+    }
+
+
+def iterate(state: TrainState, _, *, selfplay_fn, learn_fn, outcome: bool, batch_norm: bool):
+    """One AlphaZero iteration, a `lax.scan` body: self-play (`selfplay_fn`, `selfplay` bound)
+    -> targets -> SGD (`learn_fn`, `learn` bound). Returns (state, scalar metrics)."""
+    hp = state.hparams
+    variables = variables_of(state, batch_norm)
+    key, selfplay_key, sgd_key = jax.random.split(state.key, 3)
+    played = selfplay_fn(variables, hp, selfplay_key, state.games, state.game_length)
+    buffer = add_to_buffer(state.buffer, played.moves, hp.td_lambda, outcome=outcome)
+    learned = learn_fn(state.params, state.batch_stats, state.opt_state, buffer, hp, sgd_key)
+    state = state._replace(
+        params=learned.params,
+        batch_stats=learned.batch_stats,
+        opt_state=learned.opt_state,
+        buffer=buffer,
+        games=played.games,
+        game_length=played.game_length,
+        key=key,
+        iteration=state.iteration + 1,
+    )
+    return state, iteration_metrics(played, learned, buffer)
+
+
+def evaluate(state: TrainState, key, *, search_fn, evaluate_agent_fn, batch_norm: bool) -> dict:
+    """4. Evaluation: the agent's greedy search (`search_fn`, `agent_search` bound) plays
+    `evaluate_agent_fn` (utils/board_eval.py's `evaluate_agent` bound): matches from both
+    seats against each opponent. Returns its scalar metrics (and game records)."""
+    variables = variables_of(state, batch_norm)
+
+    def agent(games, key):
+        return search_fn(variables, state.hparams, key, games, greedy=True).action
+
+    return evaluate_agent_fn(agent, key)
+
+
+def train_chunk(state: TrainState, num_updates: int, *, iterate_fn, evaluate_fn):
+    """num_updates iterations (`iterate_fn`), then one evaluation (`evaluate_fn`); its metrics
+    sit at the chunk's last iteration and are NaN at the others. Returns (state, metrics
+    [num_updates] each, game records as they are)."""
+    state, metrics = jax.lax.scan(iterate_fn, state, None, num_updates)
+    key, eval_key = jax.random.split(state.key)
+    evaluation = evaluate_fn(state._replace(key=key), eval_key)
+    nan = jnp.full(num_updates, jnp.nan, jnp.float32)
+    for name, value in evaluation.items():
+        if name.startswith("record_"):
+            metrics[name] = value
+        else:
+            metrics[name] = nan.at[-1].set(value.astype(jnp.float32))
+    return state._replace(key=key), metrics
+
+
+def init(key, hp: HyperParams, *, env, network, num_games: int, buffer_rows: int) -> TrainState:
+    """A seed's state on this device: a fresh network (the same on every device), num_games
+    (G) new games and an empty buffer of buffer_rows moves of each."""
+    params_key, run_key = jax.random.split(key)
+    # Same parameters on every device; games, search noise and sampling differ.
+    run_key = jax.random.fold_in(run_key, jax.lax.axis_index(DEVICE_AXIS))
+    games_key, run_key = jax.random.split(run_key)
+    games = new_games(env, games_key, num_games)
+    variables = network.init(params_key, games.observation, train=False)
+    zeros = jnp.zeros(num_games, jnp.float32)
+    never = jnp.zeros(num_games, bool)
+    example = Position(
+        obs=games.observation,
+        legal=games.legal_action_mask,
+        policy=jnp.zeros((num_games, env.num_actions), jnp.float32),
+        reward=zeros,
+        terminated=never,
+        truncated=never,
+        search_value=zeros,
+    )
+    return TrainState(
+        params=variables["params"],
+        batch_stats=variables.get("batch_stats", {}),
+        opt_state=optax.adam(hp.learning_rate).init(variables["params"]),
+        hparams=hp,
+        buffer=buffer_init(example, buffer_rows),
+        games=games,
+        game_length=jnp.zeros(num_games, jnp.int32),
+        key=run_key,
+        iteration=jnp.int32(0),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Wiring
+# ---------------------------------------------------------------------------------------------
 
 
 def validate(config: Config, runtime: Runtime) -> None:
-    """ConfigError for a config that cannot train; cheap enough to run per sweep configuration."""
+    """ConfigError for a game this AlphaZero cannot play or settings it cannot run with on
+    the runtime's devices; every check happens here, before anything is built."""
+    num_devices = runtime.num_devices
     resolve_game(config.env)
     require_positive(
         config,
@@ -613,32 +885,31 @@ def validate(config: Config, runtime: Runtime) -> None:
         "eval_every",
         "baseline_sims",
     )
-    if config.learning_rate <= 0 or config.weight_decay < 0:
-        raise ConfigError(
-            f"--learning-rate must be > 0 and --weight-decay >= 0, got {config.learning_rate} "
-            f"and {config.weight_decay}"
-        )
-    if not 0.0 <= config.td_lambda <= 1.0:
-        raise ConfigError(f"--td-lambda must be in [0, 1], got {config.td_lambda}")
+    require_positive(config, "eval_games", minimum=0)
+    require_in(config, "learning_rate", 0.0, 1.0, above_low=True)
+    require_in(config, "dirichlet_alpha", 0.0, above_low=True)
+    for name in ("td_lambda", "dirichlet_fraction"):
+        require_in(config, name, 0.0, 1.0)
+    for name in ("weight_decay", "gumbel_scale", "temperature"):
+        require_in(config, name, 0.0)
     if config.updates_per_chunk not in (0, config.eval_every):
         raise ConfigError(
             f"--updates-per-chunk {config.updates_per_chunk}: AlphaZero's chunks are "
             f"--eval-every ({config.eval_every}) iterations long, each ending in an evaluation; "
             "set --eval-every instead"
         )
-    num_devices = runtime.num_devices
     for name in ("num_games", "minibatch_size"):
         if getattr(config, name) % num_devices:
             raise ConfigError(
                 f"--{name.replace('_', '-')} {getattr(config, name)} is not divisible by the "
                 f"{num_devices} devices"
             )
-    if config.eval_episodes % (2 * num_devices):
+    if config.eval_games % (2 * num_devices):
         raise ConfigError(
-            f"--eval-episodes {config.eval_episodes} must split evenly into both seats on "
+            f"--eval-games {config.eval_games} must split evenly into both seats on "
             f"{num_devices} device(s): use a multiple of {2 * num_devices}"
         )
-    buffer_rows = config.buffer_size // config.num_games
+    buffer_rows = config.buffer_size // config.num_games  # moves kept of each game slot
     if buffer_rows < config.rollout_steps:
         raise ConfigError(
             f"--buffer-size {config.buffer_size} keeps only {buffer_rows} moves of each of the "
@@ -648,382 +919,62 @@ def validate(config: Config, runtime: Runtime) -> None:
 
 
 def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
-    """Build the pure training functions of a valid config (nothing is compiled here); without
-    a runtime, for one run on one device."""
+    """The stages bound to this run's static settings (game, network, sizes per device), and
+    the Trainer the driver runs them with; without a runtime, for one run on one device."""
     runtime = runtime or Runtime()
-    game = resolve_game(config.env)
     num_devices = runtime.num_devices
-    buffer_rows = config.buffer_size // config.num_games  # moves kept of each game slot
+    game = resolve_game(config.env)
     env = pgx.make(game)
     num_actions = env.num_actions
-    games_per_device = config.num_games // num_devices
-    minibatch_per_device = config.minibatch_size // num_devices
-    eval_games_per_device = config.eval_episodes // num_devices
-    outcome_targets = config.value_target == "outcome"
     perms = (
         action_permutations(game, num_actions) if config.augment else np.arange(num_actions)[None]
     )
     oracle_table = jnp.asarray(solve_tic_tac_toe()) if game == "tic_tac_toe" else None
-    # One set of parameters, several ways to compute its convolutions (utils/layers.py). On
-    # boards of at most 3x3 (tic_tac_toe) one dense matmul over the whole board does the
-    # convolution's own arithmetic, fastest for search and SGD alike. On larger boards, with
-    # one run, search runs XLA's convolution (self-play about 10% faster on CPU); SGD, and all
-    # of it with vmapped seeds or sweep configurations, the matmul form (XLA's convolution
-    # gradient in a loop: ~30x slower).
-    small_board = max(env.observation_shape[:2]) <= 3
-    one_run = runtime.num_runs == 1
-    network = ResNet(
-        num_actions,
-        config.num_blocks,
-        config.num_channels,
-        config.batch_norm,
-        conv_method="dense" if small_board else "xla" if one_run else "matmul",
+    network, learner = make_networks(config, env, one_run=runtime.num_runs == 1)
+
+    search_fn = functools.partial(
+        agent_search,
+        env=env,
+        network=network,
+        search=config.search,
+        num_simulations=config.num_simulations,
+        max_num_considered_actions=config.max_num_considered_actions,
     )
-    learner = network.clone(conv_method="dense" if small_board else "matmul")
+    iterate_fn = functools.partial(
+        iterate,
+        selfplay_fn=functools.partial(
+            selfplay, env=env, search_fn=search_fn, rollout_steps=config.rollout_steps
+        ),
+        learn_fn=functools.partial(
+            learn,
+            learner=learner,
+            game=game,
+            perms=perms,
+            batch_size=config.minibatch_size // num_devices,
+            num_steps=config.updates_per_iteration,
+        ),
+        outcome=config.value_target == "outcome",
+        batch_norm=config.batch_norm,
+    )
+    mcts_search = functools.partial(plain_search, env=env, num_simulations=config.baseline_sims)
+    players = opponents(env, mcts_search, oracle_table)
+    evaluate_fn = functools.partial(
+        evaluate,
+        search_fn=search_fn,
+        evaluate_agent_fn=functools.partial(
+            evaluate_agent,
+            env=env,
+            players=players,
+            num_games=config.eval_games // num_devices,
+            oracle_table=oracle_table,
+            capture_video=config.record_games,
+        ),
+        batch_norm=config.batch_norm,
+    )
+    if not config.eval_games:  # --eval-games 0: chunks end without an evaluation
 
-    def evaluate_with_network(variables, key, state):
-        return network.apply(variables, state.observation)
-
-    recurrent_fn = make_recurrent_fn(env, evaluate_with_network)
-
-    def search_moves(variables, hp: HyperParams, key, state, greedy: bool):
-        """The agent's search from the positions `state`; greedy turns all exploration off."""
-        logits, value = network.apply(variables, state.observation)
-        zero = jnp.float32(0.0)
-        return run_search(
-            config.search,
-            variables,
-            key,
-            state,
-            logits,
-            value,
-            recurrent_fn,
-            config.num_simulations,
-            config.max_num_considered_actions,
-            gumbel_scale=zero if greedy else hp.gumbel_scale,
-            temperature=zero if greedy else hp.temperature,
-            dirichlet_alpha=hp.dirichlet_alpha,
-            dirichlet_fraction=zero if greedy else hp.dirichlet_fraction,
-        )
-
-    def new_games(key, num_games: int):
-        return jax.vmap(env.init)(jax.random.split(key, num_games))
-
-    def init(key, hp: HyperParams) -> TrainState:
-        params_key, run_key = jax.random.split(key)
-        # Same parameters on every device; games, search noise and sampling differ.
-        run_key = jax.random.fold_in(run_key, jax.lax.axis_index(DEVICE_AXIS))
-        games_key, run_key = jax.random.split(run_key)
-        games = new_games(games_key, games_per_device)
-        variables = network.init(params_key, games.observation, train=False)
-        zeros = jnp.zeros(games_per_device, jnp.float32)
-        never = jnp.zeros(games_per_device, bool)
-        example = Position(
-            obs=games.observation,
-            legal=games.legal_action_mask,
-            policy=jnp.zeros((games_per_device, num_actions), jnp.float32),
-            reward=zeros,
-            terminated=never,
-            truncated=never,
-            search_value=zeros,
-        )
-        return TrainState(
-            params=variables["params"],
-            batch_stats=variables.get("batch_stats", {}),
-            opt_state=optax.adam(hp.learning_rate).init(variables["params"]),
-            hparams=hp,
-            buffer=buffer_init(example, buffer_rows),
-            games=games,
-            game_length=jnp.zeros(games_per_device, jnp.int32),
-            key=run_key,
-            iteration=jnp.int32(0),
-        )
-
-    def variables_of(state: TrainState) -> dict:
-        if config.batch_norm:
-            return {"params": state.params, "batch_stats": state.batch_stats}
-        return {"params": state.params}
-
-    def _iteration(state: TrainState, _):
-        hp = state.hparams
-        variables = variables_of(state)
-
-        # 1. Self-play: every game makes rollout_steps searched moves with the current network;
-        # finished games restart at once, unfinished ones carry over to the next iteration.
-        def _selfplay_move(carry, key):
-            games, game_length = carry
-            search_key, reset_key = jax.random.split(key)
-            output = search_moves(variables, hp, search_key, games, greedy=False)
-            mover = games.current_player
-            after = jax.vmap(env.step)(games, output.action)
-            done = after.terminated | after.truncated
-            position = Position(
-                obs=games.observation,
-                legal=games.legal_action_mask,
-                policy=output.action_weights,
-                reward=after.rewards[jnp.arange(games_per_device), mover],
-                terminated=after.terminated,
-                truncated=after.truncated & ~after.terminated,
-                search_value=output.search_tree.node_values[:, mctx.Tree.ROOT_INDEX],
-            )
-            length = game_length + 1
-            ended = (done, length, after.terminated & jnp.all(after.rewards == 0, axis=-1))
-            fresh = new_games(reset_key, games_per_device)
-            games = jax.tree.map(
-                lambda new, old: jnp.where(done.reshape(-1, *[1] * (old.ndim - 1)), new, old),
-                fresh,
-                after,
-            )
-            return (games, jnp.where(done, 0, length)), (position, ended)
-
-        key, selfplay_key, sgd_key = jax.random.split(state.key, 3)
-        (games, game_length), (moves, (done, length, draw)) = jax.lax.scan(
-            _selfplay_move,
-            (state.games, state.game_length),
-            jax.random.split(selfplay_key, config.rollout_steps),
-        )
-
-        # 2. Targets: the window's moves go into the buffer, and value targets are recomputed
-        # over all of it, so games that ended in this window complete earlier positions too.
-        buffer = buffer_add(state.buffer, moves)
-        buffer = buffer_update_targets(buffer, hp.td_lambda, outcome_targets)
-
-        # 3. Learn: updates_per_iteration SGD steps on uniform samples of positions with a
-        # target, each seen through a random board symmetry.
-        def _sgd_step(carry, key):
-            params, batch_stats, opt_state = carry
-            sample_key, symmetry_key = jax.random.split(key)
-            batch, targets, weights = buffer_sample(buffer, sample_key, minibatch_per_device)
-            symmetry = jax.random.randint(symmetry_key, (minibatch_per_device,), 0, len(perms))
-            obs, legal, policy = jax.vmap(functools.partial(augment_position, game, perms))(
-                symmetry, batch.obs, batch.legal, batch.policy
-            )
-
-            def _loss(params):
-                variables = {"params": params}
-                if config.batch_norm:
-                    variables["batch_stats"] = batch_stats
-                    (logits, value), updated = learner.apply(
-                        variables, obs, train=True, mutable=["batch_stats"]
-                    )
-                    new_stats = updated["batch_stats"]
-                else:
-                    logits, value = learner.apply(variables, obs, train=True)
-                    new_stats = batch_stats
-                policy_loss, value_loss = az_loss(logits, value, legal, policy, targets, weights)
-                l2 = sum(jnp.sum(jnp.square(p)) for p in jax.tree.leaves(params))
-                loss = policy_loss + value_loss + hp.weight_decay * l2
-                return loss, (new_stats, policy_loss, value_loss)
-
-            grads, (batch_stats, policy_loss, value_loss) = jax.grad(_loss, has_aux=True)(params)
-            grads = device_mean(grads)
-            # Every device normalises its own samples; averaging the running statistics keeps
-            # the devices' networks identical.
-            batch_stats = device_mean(batch_stats)
-            updates, opt_state = optax.adam(hp.learning_rate).update(grads, opt_state, params)
-            params = optax.apply_updates(params, updates)
-            return (params, batch_stats, opt_state), (policy_loss, value_loss)
-
-        (params, batch_stats, opt_state), (policy_loss, value_loss) = jax.lax.scan(
-            _sgd_step,
-            (state.params, state.batch_stats, state.opt_state),
-            jax.random.split(sgd_key, config.updates_per_iteration),
-        )
-        state = state._replace(
-            params=params,
-            batch_stats=batch_stats,
-            opt_state=opt_state,
-            buffer=buffer,
-            games=games,
-            game_length=game_length,
-            key=key,
-            iteration=state.iteration + 1,
-        )
-
-        # 4. Metrics, reduced over devices: self-play games that ended in this window.
-        finished = device_sum(done.sum())
-        metrics = {
-            "policy_loss": device_mean(policy_loss.mean()),
-            "value_loss": device_mean(value_loss.mean()),
-            "selfplay_games": finished.astype(jnp.float32),
-            "selfplay_game_length": device_sum(jnp.sum(done * length))
-            / jnp.where(finished > 0, finished, jnp.nan),
-            "selfplay_draw_rate": device_sum(jnp.sum(draw))
-            / jnp.where(finished > 0, finished, jnp.nan),
-            "positions_with_target": device_sum(buffer.known.sum()).astype(jnp.float32),
-        }
-        return state, metrics
-
-    # --- Evaluation: greedy search against fixed opponents, both seats --------------------------
-
-    def random_player(state, key):
-        return jax.random.categorical(key, jnp.where(state.legal_action_mask, 0.0, -jnp.inf))
-
-    def mcts_player(state, key):
-        """Plain MCTS: uniform priors, values from one random rollout, PUCT, most visited."""
-        batch = state.current_player.shape[0]
-
-        def evaluate_by_rollout(params, key, state):
-            return jnp.zeros((batch, num_actions)), random_rollout_value(env, state, key)
-
-        search_key, rollout_key = jax.random.split(key)
-        root_value = random_rollout_value(env, state, rollout_key)
-        output = run_search(
-            "puct",
-            None,
-            search_key,
-            state,
-            jnp.zeros((batch, num_actions)),
-            root_value,
-            make_recurrent_fn(env, evaluate_by_rollout),
-            config.baseline_sims,
-            config.max_num_considered_actions,
-            gumbel_scale=0.0,
-            temperature=0.0,
-            dirichlet_alpha=0.3,
-            dirichlet_fraction=0.0,
-        )
-        return output.action
-
-    def oracle_player(state, key):
-        """A perfect tic_tac_toe player that picks uniformly among the optimal moves."""
-        values = oracle_table[tic_tac_toe_index(state.observation)]
-        best = values == jnp.max(values, axis=-1, keepdims=True)
-        return jax.random.categorical(key, jnp.where(best, 0.0, -jnp.inf))
-
-    opponents = {"random": random_player, "mcts": mcts_player}
-    if oracle_table is not None:
-        opponents["oracle"] = oracle_player
-
-    def play_against(variables, hp, opponent_index, key):
-        """eval_games_per_device games against one opponent, as two lock-step halves: the
-        agent moves first in half 0 and second in half 1. Players alternate, so at every ply
-        the agent is to move in all running games of one half and the opponent in all of the
-        other: each side searches only the games where it moves. Returns the agent's results
-        [2, half] (+1/0/-1), and (optimal, judged) agent-move counts for tic_tac_toe."""
-        half = eval_games_per_device // 2
-        init_key, loop_key = jax.random.split(key)
-        game_keys = jax.random.split(init_key, 2 * half)
-        games = jax.vmap(env.init)(game_keys)
-        games = jax.tree.map(lambda x: x.reshape(2, half, *x.shape[1:]), games)
-        agent = jnp.stack([games.current_player[0], 1 - games.current_player[1]])
-        index = jnp.arange(half)
-
-        def _not_done(carry):
-            games = carry[0]
-            return ~jnp.all(games.terminated | games.truncated)
-
-        def _ply(carry):
-            games, ply, key, result, optimal, judged, record = carry
-            key, agent_key, opponent_key = jax.random.split(key, 3)
-            agent_side = ply % 2  # the half where the agent is to move
-            agent_games = jax.tree.map(lambda x: x[agent_side], games)
-            other_games = jax.tree.map(lambda x: x[1 - agent_side], games)
-            agent_action = search_moves(variables, hp, agent_key, agent_games, greedy=True).action
-            other_action = jax.lax.switch(
-                opponent_index, list(opponents.values()), other_games, opponent_key
-            )
-            actions = jnp.where(
-                agent_side == 0,
-                jnp.stack([agent_action, other_action]),
-                jnp.stack([other_action, agent_action]),
-            )
-            if oracle_table is not None:
-                running = ~(agent_games.terminated | agent_games.truncated)
-                values = oracle_table[tic_tac_toe_index(agent_games.observation)]
-                is_best = values[index, agent_action] == jnp.max(values, axis=-1)
-                optimal = optimal + jnp.sum(running & is_best)
-                judged = judged + jnp.sum(running)
-            if config.capture_video:  # the moves of each half's first game, -1 once it ended
-                first_running = ~(games.terminated | games.truncated)[:, 0]
-                move = jnp.where(first_running, actions[:, 0], -1)
-                record = record.at[:, jnp.minimum(ply, MAX_RECORDED_MOVES - 1)].set(
-                    jnp.where(ply < MAX_RECORDED_MOVES, move, record[:, -1])
-                )
-            games = jax.vmap(jax.vmap(env.step))(games, actions)  # finished games stay put
-            reward = jnp.take_along_axis(games.rewards, agent[..., None], axis=-1)[..., 0]
-            return games, ply + 1, key, result + reward, optimal, judged, record
-
-        record = jnp.full((2, MAX_RECORDED_MOVES if config.capture_video else 0), -1, jnp.int32)
-        carry = (games, jnp.int32(0), loop_key, jnp.zeros((2, half)), jnp.int32(0), jnp.int32(0))
-        carry = (*carry, record)
-        _, _, _, result, optimal, judged, record = jax.lax.while_loop(_not_done, _ply, carry)
-        return result, optimal, judged, (game_keys[jnp.array([0, half])], record)
-
-    def evaluate_in_loop(state: TrainState, key) -> dict:
-        variables = variables_of(state)
-
-        # A scan over opponents traces the agent's search once, and its index stays unbatched
-        # under the seed vmap, so `lax.switch` runs only the opponent it names.
-        def _play(_, opponent_key):
-            opponent_index, key = opponent_key
-            return None, play_against(variables, state.hparams, opponent_index, key)
-
-        num_opponents = len(opponents)
-        _, (results, optimal, judged, (record_keys, record_moves)) = jax.lax.scan(
-            _play, None, (jnp.arange(num_opponents), jax.random.split(key, num_opponents))
-        )
-        metrics = {}
-        if config.capture_video:  # [opponents, seats, ...]: replayed on the host into SVGs
-            metrics["record_keys"], metrics["record_moves"] = record_keys, record_moves
-        for i, name in enumerate(opponents):
-            wins, draws, losses = (
-                device_sum(jnp.sum(results[i] == r).astype(jnp.float32)) for r in (1, 0, -1)
-            )
-            games = wins + draws + losses
-            elo, low, high = elo_estimate(wins, draws, losses)
-            metrics.update(
-                {
-                    f"eval_{name}_win": wins / games,
-                    f"eval_{name}_draw": draws / games,
-                    f"eval_{name}_loss": losses / games,
-                    f"eval_{name}_score": (wins + 0.5 * draws) / games,
-                    f"eval_{name}_elo": elo,
-                    f"eval_{name}_elo_low": low,
-                    f"eval_{name}_elo_high": high,
-                }
-            )
-        if oracle_table is not None:
-            optimal_total = device_sum(optimal.sum())
-            judged_total = device_sum(judged.sum())
-            metrics["eval_optimal_move_rate"] = optimal_total / jnp.maximum(judged_total, 1)
-        return metrics
-
-    def train_chunk(state: TrainState, num_updates: int):
-        """num_updates iterations, then one evaluation; its metrics sit at the chunk's last
-        iteration and are NaN at the others."""
-        state, metrics = jax.lax.scan(_iteration, state, None, num_updates)
-        key, eval_key = jax.random.split(state.key)
-        evaluation = evaluate_in_loop(state._replace(key=key), eval_key)
-        nan = jnp.full(num_updates, jnp.nan, jnp.float32)
-        for name, value in evaluation.items():
-            if name.startswith("record_"):
-                metrics[name] = value
-            else:
-                metrics[name] = nan.at[-1].set(value.astype(jnp.float32))
-        return state._replace(key=key), metrics
-
-    def write_game_records(run_dir: str, update: int, records: dict) -> list[str]:
-        """One SVG animation per opponent and seat of the evaluation that ended at `update`,
-        replayed from the game's initial key and its moves with pgx's own renderer."""
-        os.makedirs(os.path.join(run_dir, "games"), exist_ok=True)
-        step = jax.jit(env.step)
-        paths = []
-        for i, opponent in enumerate(opponents):
-            for seat, seat_name in enumerate(("first", "second")):
-                state = env.init(records["record_keys"][i, seat])
-                states = [state]
-                for move in records["record_moves"][i, seat]:
-                    if move < 0:
-                        break
-                    state = step(state, jnp.int32(move))
-                    states.append(state)
-                name = f"iteration{update:06d}_{opponent}_agent_{seat_name}.svg"
-                path = os.path.join(run_dir, "games", name)
-                pgx.save_svg_animation(states, path + ".tmp", frame_duration_seconds=0.5)
-                os.replace(path + ".tmp", path)
-                paths.append(path)
-        return paths
+        def evaluate_fn(state, key):
+            return {}
 
     return Trainer(
         algo="az",
@@ -1031,19 +982,29 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
         num_updates=config.num_iterations,
         steps_per_update=config.num_games * config.rollout_steps,
         hyperparams=hyperparams_of(HyperParams, config),
-        init=init,
-        train_chunk=train_chunk,
+        init=functools.partial(
+            init,
+            env=env,
+            network=network,
+            num_games=config.num_games // num_devices,
+            buffer_rows=config.buffer_size // config.num_games,  # moves kept of each game slot
+        ),
+        train_chunk=functools.partial(train_chunk, iterate_fn=iterate_fn, evaluate_fn=evaluate_fn),
         evaluate=None,
         runtime=runtime,
-        headline_metric="eval_mcts_score",
+        # the score against plain MCTS; without an evaluation, self-play's value loss
+        headline_metric="eval_mcts_score" if config.eval_games else "value_loss",
         step_unit="moves",
         updates_per_chunk=config.eval_every,
-        write_records=write_game_records,
-        # JAX's rolled CPU form: unrolled, tic_tac_toe self-play ran ~9% slower and compiled longer
+        write_records=functools.partial(write_game_records, env=env, opponent_names=tuple(players)),
+        # JAX's rolled CPU form: self-play runs slower unrolled (docs/benchmarks.md)
         unrolled_threefry=False,
     )
 
 
 if __name__ == "__main__":
     with exit_on_config_error():
-        run_training(parse_config(Config, PRESETS, preset_key=resolve_game), make_train, validate)
+        config = parse_config(
+            Config, PRESETS, preset_key=resolve_game, shell_defaults={"cpu_devices": -1}
+        )
+        run_training(config, make_train, validate)

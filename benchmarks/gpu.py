@@ -69,7 +69,7 @@ RUNS = {
         "--env connect_four --num-games 1024 --rollout-steps 32 --buffer-size 262144 "
         "--num-iterations 20 --minibatch-size 2048 --eval-every 20",
         "--env connect_four --num-games 16 --rollout-steps 4 --buffer-size 256 "
-        "--num-iterations 2 --minibatch-size 16 --eval-every 2 --eval-episodes 4 "
+        "--num-iterations 2 --minibatch-size 16 --eval-every 2 --eval-games 4 "
         "--num-simulations 4 --baseline-sims 2 --num-channels 8 --num-blocks 1",
     ),
 }
@@ -91,7 +91,7 @@ def main(args: Args) -> dict:
             flags = smoke if args.smoke else full
             cli = [*flags.split(), "--runs-dir", runs_dir, "--no-progress"]
             if trainer is purejaxrl_az:  # evaluates inside its loop, on the devices it finds
-                cli += ["--eval-episodes", "4" if args.smoke else "64", "--cpu-devices", "0"]
+                cli += ["--eval-games", "4" if args.smoke else "64", "--cpu-devices", "0"]
                 config = parse_config(
                     trainer.Config, trainer.PRESETS, cli, preset_key=trainer.resolve_game
                 )

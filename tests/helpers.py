@@ -55,7 +55,7 @@ TINY_AZ = [
     "--num-channels", "8",
     "--num-simulations", "4",
     "--max-num-considered-actions", "4",
-    "--eval-episodes", "8",
+    "--eval-games", "8",
     "--baseline-sims", "4",
     "--cpu-devices", "0",
 ]  # fmt: skip

@@ -1,6 +1,6 @@
-"""AlphaZero: value targets, replay buffer, priors, search legality, symmetries, the minimax oracle
-and Elo against plain references; then whole runs (reproducibility, devices, bad input) and,
-marked slow, learning tic_tac_toe."""
+"""AlphaZero: value targets, replay buffer, priors, search legality and symmetries against plain
+references (the evaluation's oracle, rollouts and Elo: tests/test_board_eval.py); then whole
+runs (reproducibility, devices, bad input) and, marked slow, learning tic_tac_toe."""
 
 import json
 import os
@@ -23,19 +23,17 @@ from purejaxrl_az import (
     buffer_init,
     buffer_sample,
     buffer_update_targets,
-    elo_estimate,
     make_recurrent_fn,
+    make_train,
     masked_logits,
-    random_rollout_value,
     resolve_game,
     run_search,
-    solve_tic_tac_toe,
-    tic_tac_toe_index,
     validate,
     value_targets,
 )
 from tests.helpers import assert_identical_runs, checkpoint_leaves, run_script
 from utils.cli import parse_config
+from utils.driver import run_training
 from utils.errors import ConfigError
 from utils.trainer import Runtime
 
@@ -215,7 +213,8 @@ def test_priors_are_masked_and_normalised_exactly_once():
 
     output = run_search(
         "gumbel", None, jax.random.PRNGKey(0), state, logits, jnp.zeros(16),
-        make_recurrent_fn(env, evaluate), 4, 16, 1.0, 1.0, 0.3, 0.25,
+        make_recurrent_fn(env, evaluate), num_simulations=4, max_num_considered_actions=16,
+        gumbel_scale=1.0, temperature=1.0, dirichlet_alpha=0.3, dirichlet_fraction=0.25,
     )  # fmt: skip
     root_prior = jax.nn.softmax(output.search_tree.children_prior_logits[:, 0])
     masked = np.where(legal, np.exp(logits), 0.0)
@@ -236,7 +235,8 @@ def test_search_never_selects_illegal_moves(search, game):
     for seed in range(3):
         output = run_search(
             search, None, jax.random.PRNGKey(seed), state, logits, jnp.zeros(64),
-            make_recurrent_fn(env, evaluate), 16, 16, 1.0, 1.0, 0.3, 0.25,
+            make_recurrent_fn(env, evaluate), num_simulations=16, max_num_considered_actions=16,
+            gumbel_scale=1.0, temperature=1.0, dirichlet_alpha=0.3, dirichlet_fraction=0.25,
         )  # fmt: skip
         playable = ~(state.terminated | state.truncated)
         chosen_legal = state.legal_action_mask[jnp.arange(64), output.action]
@@ -308,73 +308,6 @@ def test_games_without_symmetries_augment_to_themselves():
     assert action_permutations("animal_shogi", 132).shape == (1, 132)
 
 
-def test_tic_tac_toe_oracle():
-    table = solve_tic_tac_toe()
-    assert (table[0] == 0).all()  # every first move draws with perfect play
-    # Mover holds cells 0 and 1, the opponent 3 and 4: cell 2 wins, cell 5 only draws,
-    # anything else loses.
-    index = 1 * 1 + 1 * 3 + 2 * 27 + 2 * 81
-    values = table[index]
-    assert values[2] == 1 and values[5] == 0 and values[6] == -1 and values[0] == -2
-    # The index matches pgx's observation layout: the oracle never loses to random play.
-    env = pgx.make("tic_tac_toe")
-    step = jax.jit(jax.vmap(env.step))
-    state = jax.vmap(env.init)(jax.random.split(jax.random.PRNGKey(0), 200))
-    oracle_player = jnp.arange(200) % 2
-    key = jax.random.PRNGKey(1)
-    result = jnp.zeros(200)
-    for _ in range(9):
-        key, k = jax.random.split(key)
-        random_action = jax.random.categorical(k, jnp.where(state.legal_action_mask, 0.0, -jnp.inf))
-        best = jnp.argmax(jnp.asarray(table)[tic_tac_toe_index(state.observation)], axis=-1)
-        action = jnp.where(state.current_player == oracle_player, best, random_action)
-        state = step(state, action)
-        result = result + state.rewards[jnp.arange(200), oracle_player]
-    assert bool(jnp.all(state.terminated))
-    assert float(result.min()) >= 0.0 and float(result.mean()) > 0.5
-
-
-LINES = [(0, 1, 2), (3, 4, 5), (6, 7, 8), (0, 3, 6), (1, 4, 7), (2, 5, 8), (0, 4, 8), (2, 4, 6)]
-
-
-def random_play_value(board):
-    """Exact expected result of uniformly random play for the mover (cells: 1 mover, 2 other)."""
-    empty = [c for c in range(9) if board[c] == 0]
-    total = 0.0
-    for cell in empty:
-        after = list(board)
-        after[cell] = 1
-        if any(all(after[i] == 1 for i in line) for line in LINES):
-            total += 1.0
-        elif len(empty) > 1:
-            total -= random_play_value([(3 - c) % 3 for c in after])
-    return total / len(empty)
-
-
-def test_random_rollout_value_is_the_movers_expected_result():
-    env = pgx.make("tic_tac_toe")
-    state = env.init(jax.random.PRNGKey(0))
-    for action in (0, 3, 1, 4):  # X: 0, 1; O: 3, 4; X to move
-        state = env.step(state, jnp.int32(action))
-    batch = jax.tree.map(lambda x: jnp.broadcast_to(x, (4000, *x.shape)), state)
-    rollout = jax.jit(lambda states, key: random_rollout_value(env, states, key))
-    values = np.asarray(rollout(batch, jax.random.PRNGKey(0)))
-    assert set(np.unique(values)) <= {-1.0, 0.0, 1.0}
-    expected = random_play_value([1, 1, 0, 2, 2, 0, 0, 0, 0])
-    assert values.mean() == pytest.approx(expected, abs=4 * values.std() / np.sqrt(4000))
-    won = jax.jit(jax.vmap(env.step))(batch, jnp.full(4000, 2))  # X completes the top row
-    np.testing.assert_array_equal(np.asarray(rollout(won, jax.random.PRNGKey(0))), 0.0)
-
-
-def test_elo_estimate():
-    elo, low, high = elo_estimate(jnp.float32(30), jnp.float32(40), jnp.float32(30))
-    assert float(elo) == pytest.approx(0.0, abs=1e-3) and float(low) < 0 < float(high)
-    elo, _, _ = elo_estimate(jnp.float32(75), jnp.float32(0), jnp.float32(25))
-    assert float(elo) == pytest.approx(400 * np.log10(3), rel=1e-4)
-    elo, low, high = elo_estimate(jnp.float32(10), jnp.float32(0), jnp.float32(0))
-    assert np.isfinite(float(elo)) and float(low) <= float(elo) <= float(high)
-
-
 def test_loss_ignores_illegal_moves_and_masked_samples():
     logits = jnp.array([[2.0, 0.0, 50.0], [0.0, 0.0, 0.0]])
     legal = jnp.array([[True, True, False], [True, True, True]])
@@ -408,7 +341,7 @@ def tiny_args(runs_dir, game="tic_tac_toe"):
         "--num-channels", "8",
         "--num-simulations", "4",
         "--max-num-considered-actions", "4",
-        "--eval-episodes", "8",
+        "--eval-games", "8",
         "--baseline-sims", "4",
         "--cpu-devices", "0",
         "--no-progress",
@@ -440,9 +373,9 @@ runpy.run_path("purejaxrl_az.py", run_name="__main__")
 def test_run_outputs_reproducibility_resume_and_two_devices(tmp_path):
     """Two seeds x a sweep of two learning rates on two devices (--cpu-devices 2 restarts the
     process with the host split in two), vmapped through self-play, SGD and the in-loop
-    evaluation, filmed with --capture-video; the same command again, interrupted after its
+    evaluation, with --record-games; the same command again, interrupted after its
     first chunk and resumed, gives the same numbers."""
-    flags = ["--num-seeds", "2", "--cpu-devices", "2", "--capture-video"]
+    flags = ["--num-seeds", "2", "--cpu-devices", "2", "--record-games"]
     flags += ["--sweep", "lr=1e-3,3e-3"]
     first = run_dir_of(run_script(*tiny_args(tmp_path / "a"), *flags))
     stopped = run_script(
@@ -480,7 +413,7 @@ def test_run_outputs_reproducibility_resume_and_two_devices(tmp_path):
 
 
 def assert_game_records(run_dir, last_evaluation):
-    """--capture-video: one SVG animation per opponent and seat at each evaluation."""
+    """--record-games: one SVG animation per opponent and seat at each evaluation."""
     names = sorted(os.listdir(os.path.join(run_dir, "games")))
     assert names == [
         f"iteration{update:06d}_{opponent}_agent_{seat}.svg"
@@ -510,10 +443,11 @@ def test_presets_help_and_game_names():
 @pytest.mark.parametrize(
     "flags,match",
     [
-        (["--eval-episodes", "7"], "--eval-episodes 7 must split evenly"),
+        (["--eval-games", "7"], "--eval-games 7 must split evenly"),
         (["--buffer-size", "32"], "--buffer-size 32 keeps only 2 moves"),
         (["--updates-per-chunk", "3"], "set --eval-every instead"),
-        (["--td-lambda", "1.5"], "--td-lambda must be in"),
+        (["--td-lambda", "1.5"], r"--td-lambda must be a finite number in \[0, 1\]"),
+        (["--gumbel-scale", "nan"], "--gumbel-scale must be a finite number"),
         (["--num-simulations", "0"], "--num-simulations must be >= 1"),
     ],
 )
@@ -522,6 +456,14 @@ def test_bad_flags_raise_config_error(tmp_path, flags, match):
     config = parse_config(Config, PRESETS, args, preset_key=resolve_game)
     with pytest.raises(ConfigError, match=match):
         validate(config, Runtime())
+
+
+def test_bad_swept_values_are_refused_before_anything_is_written(tmp_path):
+    args = [*tiny_args(tmp_path / "runs")[1:], "--sweep", "lr=1e-3,inf"]
+    config = parse_config(Config, PRESETS, args, preset_key=resolve_game)
+    with pytest.raises(ConfigError, match="--learning-rate must be a finite number"):
+        run_training(config, make_train, validate)
+    assert not (tmp_path / "runs").exists()
 
 
 def test_bad_game_exits_2_before_compiling(tmp_path):
