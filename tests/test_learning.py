@@ -50,3 +50,16 @@ def test_dqn_cartpole_reaches_400_within_2e5_steps_on_two_seeds(tmp_path):
     summary = summary_of_only_run(tmp_path)
     assert min(summary["final_per_seed"]) >= 400, summary["final_per_seed"]
     assert min(summary["eval_return_per_seed"]) >= 400, summary["eval_return_per_seed"]
+
+
+def test_az_tic_tac_toe_learns_to_never_lose(tmp_path):
+    """The tic_tac_toe preset cut to 30 iterations and evaluated once at the end: no lost game
+    against the random player from either seat, and mostly draws against the perfect player."""
+    result = run_script(
+        "purejaxrl_az.py", "--env", "tic_tac_toe", "--num-iterations", "30", "--eval-every", "30",
+        "--no-progress", "--runs-dir", str(tmp_path), timeout=600, llvm_level=1,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    final = summary_of_only_run(tmp_path)["final_metrics_per_seed"][0]
+    assert final["eval_random_loss"] == 0.0, final
+    assert final["eval_oracle_draw"] >= 0.75, final
