@@ -31,7 +31,7 @@ from purejaxrl_az import (
     validate,
     value_targets,
 )
-from tests.helpers import assert_identical_runs, checkpoint_leaves, run_script
+from tests.helpers import TINY_AZ, assert_identical_runs, checkpoint_leaves, run_script
 from utils.cli import parse_config
 from utils.devices import DEVICE_AXIS
 from utils.driver import run_training
@@ -330,24 +330,13 @@ def tiny_args(runs_dir, game="tic_tac_toe"):
     """4 iterations in 2 chunks with an evaluation after each: compiles in well under a minute."""
     return [
         "purejaxrl_az.py",
-        "--env", game,
-        "--num-iterations", "4",
-        "--eval-every", "2",
-        "--num-games", "16",
-        "--rollout-steps", "4",
-        "--buffer-size", "128",
-        "--minibatch-size", "32",
-        "--updates-per-iteration", "2",
-        "--num-blocks", "1",
-        "--num-channels", "8",
-        "--num-simulations", "4",
-        "--max-num-considered-actions", "4",
-        "--eval-games", "8",
-        "--baseline-sims", "4",
-        "--cpu-devices", "0",
+        *TINY_AZ,
+        "--env",
+        game,
         "--no-progress",
-        "--runs-dir", str(runs_dir),
-    ]  # fmt: skip
+        "--runs-dir",
+        str(runs_dir),
+    ]
 
 
 def run_dir_of(result):

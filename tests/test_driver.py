@@ -182,7 +182,9 @@ def test_every_sweep_configuration_is_validated_before_anything_is_written(tmp_p
 # ---------------------------------------------------------------------------------------------
 
 
-def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, monkeypatch):
+def interrupted_after_update_4(tmp_path, monkeypatch) -> tuple[str, str]:
+    """An uninterrupted run and the same run stopped by Ctrl-C after update 4 (exit 130):
+    their run directories."""
     uninterrupted = train(tmp_path, updates_per_chunk=2)["run_dir"]
 
     def interrupt_after_update_4(self, done, *_):
@@ -196,7 +198,11 @@ def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, monkeypatch):
     assert exit_info.value.code == 130
     runs_dir = os.path.dirname(uninterrupted)
     (interrupted,) = [d for d in os.listdir(runs_dir) if d != os.path.basename(uninterrupted)]
-    interrupted = os.path.join(runs_dir, interrupted)
+    return uninterrupted, os.path.join(runs_dir, interrupted)
+
+
+def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, monkeypatch):
+    uninterrupted, interrupted = interrupted_after_update_4(tmp_path, monkeypatch)
     assert checkpoint.latest_update(os.path.join(interrupted, "checkpoints")) == 4
     assert not os.path.exists(os.path.join(interrupted, "summary.json"))
 
@@ -303,18 +309,8 @@ def test_a_torn_last_row_of_metrics_csv_is_dropped_on_resume(tmp_path, monkeypat
     """A SIGKILL or a full disk can cut the last row inside its first field, e.g. update 30's
     row to "3": the resume drops it with a note instead of keeping "3,,,," (3 is before the
     checkpoint) and failing in the report."""
-    uninterrupted = train(tmp_path, updates_per_chunk=2)["run_dir"]
-
-    def interrupt_after_update_4(self, done, *_):
-        if done == 4:
-            raise KeyboardInterrupt
-
-    with monkeypatch.context() as patch:
-        patch.setattr(driver._Progress, "update", interrupt_after_update_4)
-        with pytest.raises(SystemExit):
-            train(tmp_path, updates_per_chunk=2)
-    (interrupted,) = [p for p in (tmp_path / "runs").iterdir() if str(p) != uninterrupted]
-    with open(interrupted / "metrics.csv", "a") as f:
+    uninterrupted, interrupted = interrupted_after_update_4(tmp_path, monkeypatch)
+    with open(os.path.join(interrupted, "metrics.csv"), "a") as f:
         f.write("3")
     summary = train(tmp_path, resume=str(interrupted))
     assert "dropped 1 incomplete row" in capsys.readouterr().err
