@@ -38,7 +38,7 @@ def check_az_selfplay_benchmark(tmp_path):
         "--num-simulations", "4",
         "--rounds", "2",
         "--extra=--rollout-steps 4 --buffer-size 256 --minibatch-size 16 --eval-every 2 "
-        "--eval-episodes 4 --baseline-sims 2 --num-channels 8 --num-blocks 1",
+        "--eval-games 4 --baseline-sims 2 --num-channels 8 --num-blocks 1",
         "--out", str(out),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr

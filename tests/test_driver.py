@@ -114,6 +114,7 @@ def test_run_directory_has_every_output(tmp_path):
         "config.json",
         "learning_curve.png",
         "metrics.csv",
+        "run.json",
         "summary.json",
     ]
     assert os.listdir(os.path.join(run_dir, "checkpoints")) == ["update_00000008"]
@@ -334,8 +335,7 @@ def test_resuming_a_finished_run_says_so_and_touches_nothing(tmp_path, capsys):
 
 def test_resume_refuses_another_trainers_run_directory(tmp_path):
     run_dir = Path(train(tmp_path)["run_dir"])
-    saved = json.loads((run_dir / "config.json").read_text())
-    (run_dir / "config.json").write_text(json.dumps({**saved, "algo": "dqn"}))
+    (run_dir / "run.json").write_text(json.dumps({"algo": "dqn", "env_id": "CartPole-v1"}))
     with pytest.raises(ConfigError, match="is a dqn run, not a stub one"):
         train(tmp_path, resume=str(run_dir))
 

@@ -48,7 +48,7 @@ def test_configurations_are_the_product_with_typed_values():
         (["gamma"], "NAME=V1,V2"),
         (["gamma=0.9", "gamma=0.99"], "given twice"),
         (["gamma=0.9,0.9"], "repeated"),
-        (["gamma=0.9,1.5"], "--gamma must be in [0.0, 1.0], got 1.5"),
+        (["gamma=0.9,1.5"], "--gamma must be a finite number in [0, 1], got 1.5"),
     ],
 )
 def test_bad_sweeps_are_refused_before_compiling(tmp_path, sweep, message):

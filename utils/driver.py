@@ -139,18 +139,19 @@ def _new_run_dir(config, trainer: Trainer) -> str:
             continue
         except OSError as error:
             raise ConfigError(f"--runs-dir {config.runs_dir!r}: {error.strerror}") from None
-    # "algo" is not a flag: it lets --resume refuse another trainer's run directory
-    write_json(
-        os.path.join(run_dir, "config.json"), {"algo": trainer.algo, **dataclasses.asdict(config)}
-    )
+    write_json(os.path.join(run_dir, "config.json"), dataclasses.asdict(config))
+    # what made the run, so that --resume can refuse another trainer's directory
+    write_json(os.path.join(run_dir, "run.json"), {"algo": trainer.algo, "env_id": trainer.env_id})
     return run_dir
 
 
 def _check_resumable(config, trainer: Trainer) -> int | None:
     """--resume: the checkpoint's update (None: none yet, the run starts over), after refusing
     another trainer's directory and a finished run."""
-    with open(os.path.join(config.resume, "config.json")) as f:
-        saved_algo = json.load(f).get("algo", trainer.algo)
+    saved_algo = trainer.algo  # run directories from before run.json existed: unchecked
+    if os.path.exists(os.path.join(config.resume, "run.json")):
+        with open(os.path.join(config.resume, "run.json")) as f:
+            saved_algo = json.load(f).get("algo", trainer.algo)
     if saved_algo != trainer.algo:
         raise ConfigError(
             f"--resume: {config.resume!r} is a {saved_algo} run, not a {trainer.algo} one"
