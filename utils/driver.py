@@ -147,7 +147,7 @@ def _new_run_dir(config, trainer: Trainer) -> str:
 
 def _check_resumable(config, trainer: Trainer) -> int | None:
     """--resume: the checkpoint's update (None: none yet, the run starts over), after refusing
-    another trainer's directory and a finished run."""
+    another trainer's directory."""
     saved_algo = trainer.algo  # run directories from before run.json existed: unchecked
     if os.path.exists(os.path.join(config.resume, "run.json")):
         with open(os.path.join(config.resume, "run.json")) as f:
@@ -659,10 +659,10 @@ def run_training(config, make_train: Callable, validate: Callable, return_state:
     state, leaves [local devices, runs, ...]."""
     clock = _Clock(wall_start=time.perf_counter())
     plan = plan_runs(config, make_train, validate)
-    summary_path = os.path.join(plan.run_dir or "", "summary.json")
-    if plan.resume_update == plan.trainer.num_updates and os.path.exists(summary_path):
+    finished = plan.resume_update == plan.trainer.num_updates
+    if finished and os.path.exists(os.path.join(plan.run_dir, "summary.json")):
         print(f"{plan.trainer.algo} {plan.trainer.env_id}: already complete -> {plan.run_dir}")
-        with open(summary_path) as f:
+        with open(os.path.join(plan.run_dir, "summary.json")) as f:
             summary = json.load(f)
         return (summary, None) if return_state else summary
     with _run_lock(plan.run_dir), checkpoint.stop_signals_interrupt():
