@@ -19,6 +19,11 @@ from tests.golden_runs import (
 
 RECORD = json.loads(RECORDED.read_text())
 
+# On another processor XLA picks other kernels and float rounding drifts through training.
+# AlphaZero's convolutions drift the most: on a processor with AVX-512 its losses differ from
+# the recording by 2e-4 relative after four iterations, while every game outcome stays equal.
+FOREIGN_RTOL = {"az_tic_tac_toe": 2e-3}
+
 
 def as_numbers(values):
     """Text or JSON values (null for NaN) as a float array."""
@@ -28,7 +33,9 @@ def as_numbers(values):
 @pytest.mark.parametrize("name", sorted(RUNS))
 def test_golden_run_reproduces_its_recorded_numbers(name, tmp_path):
     exact = recording_conditions() == RECORD["conditions"]
-    tolerance = dict(rtol=0, atol=0) if exact else dict(rtol=1e-5, atol=1e-6)
+    tolerance = (
+        dict(rtol=0, atol=0) if exact else dict(rtol=FOREIGN_RTOL.get(name, 1e-5), atol=1e-6)
+    )
     assert RECORD["runs"][name]["flags"] == RUNS[name][1], "re-record after changing the flags"
     summary, columns = train(name, str(tmp_path))
     recorded = read_columns(GOLDEN_DIR / f"{name}.csv")
