@@ -1,9 +1,12 @@
 """Device helpers that change how programs are built, never what they compute."""
 
+import os
+
 import jax
 import numpy as np
 import pytest
 
+from tests.helpers import run_script
 from utils.devices import (
     DEVICE_AXIS,
     device_mean,
@@ -50,3 +53,21 @@ def test_a_process_not_started_as_a_script_is_never_restarted():
     with pytest.raises(ConfigError, match=r"needs a fresh process.*XLA_FLAGS="):
         split_cpu_host(jax.local_device_count() + 1)
     split_cpu_host(0)  # nothing to change: no restart, no error
+
+
+def test_compiled_programs_go_to_the_per_user_cache_unless_turned_off(tiny_ppo_args, tmp_path):
+    """Without $JAX_COMPILATION_CACHE_DIR, a run caches its programs under $XDG_CACHE_HOME;
+    --no-compile-cache writes none."""
+    for flags, cache_home in (([], tmp_path / "on"), (["--no-compile-cache"], tmp_path / "off")):
+        result = run_script(
+            "purejaxrl_ppo.py",
+            *tiny_ppo_args,
+            "--eval-episodes",
+            "0",
+            *flags,
+            env_extra={"JAX_COMPILATION_CACHE_DIR": "", "XDG_CACHE_HOME": str(cache_home)},
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+    cache = tmp_path / "on" / "purejaxrl" / "jax"
+    assert any(name.startswith("jit_") for name in os.listdir(cache))
+    assert not (tmp_path / "off" / "purejaxrl").exists()

@@ -57,6 +57,9 @@ class RunConfig:
     """wandb entity (team); None uses your default"""
     progress: bool = True
     """show a progress bar with return, steps/s and ETA"""
+    compile_cache: bool = True
+    """keep compiled programs in a per-user cache ($JAX_COMPILATION_CACHE_DIR, else
+    ~/.cache/purejaxrl/jax), so that a repeated run skips most of its compilation"""
     updates_per_chunk: int = 0
     """updates per compiled chunk; between chunks the driver logs and checkpoints (0: automatic)"""
     runs_dir: str = "runs"
@@ -80,7 +83,15 @@ class EpisodeRunConfig(RunConfig):
 # Fields that may differ from the saved config when resuming: they change how the run is
 # watched, not what it computes.
 RESUMABLE_OVERRIDES = frozenset(
-    {"resume", "progress", "updates_per_chunk", "track", "wandb_project_name", "wandb_entity"}
+    {
+        "resume",
+        "progress",
+        "compile_cache",
+        "updates_per_chunk",
+        "track",
+        "wandb_project_name",
+        "wandb_entity",
+    }
     | {"eval_episodes", "runs_dir", "capture_video", "eval_games", "record_games"}
 )
 

@@ -62,6 +62,35 @@ def unroll_threefry_on_cpu(unrolled: bool = True) -> None:
     mlir.register_lowering(threefry2x32.threefry2x32_p, rule, platform="cpu")
 
 
+def use_compile_cache(enabled: bool = True) -> str | None:
+    """Keep compiled programs in JAX's persistent compilation cache, so that a repeated run
+    (same trainer, flags that shape the program, devices and JAX version) loads its programs
+    from disk instead of compiling them again. The cache is `$JAX_COMPILATION_CACHE_DIR` when
+    set, else `$XDG_CACHE_HOME/purejaxrl/jax` (`~/.cache/purejaxrl/jax`). Programs that
+    compile in under a tenth of a second are not worth a file. A directory that cannot be
+    created turns the cache off with a one-line notice. Returns the directory, or None when
+    the cache is off (then nothing is read or written)."""
+    directory = jax.config.jax_compilation_cache_dir
+    if not directory:
+        cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+        directory = os.path.join(cache_home, "purejaxrl", "jax")
+    if enabled:
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as error:
+            print(
+                f"compile cache off: cannot create {directory} ({error.strerror})", file=sys.stderr
+            )
+            enabled = False
+    if not enabled:
+        jax.config.update("jax_enable_compilation_cache", False)
+        return None
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
+    return directory
+
+
 def xla_flags_with(flag: str, value, flags: str | None = None) -> str:
     """`flags` (default: this process's XLA_FLAGS) with `flag=value` in place of any value the
     flag had, every other flag kept."""

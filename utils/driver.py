@@ -40,6 +40,7 @@ from utils.devices import (
     resolve_num_devices,
     split_cpu_host,
     unroll_threefry_on_cpu,
+    use_compile_cache,
 )
 from utils.errors import ConfigError
 from utils.logs import MetricsCsv, WandbSink, read_metrics_csv, write_json
@@ -351,6 +352,7 @@ def plan_runs(config, make_train: Callable, validate: Callable) -> RunPlan:
     (process 0, new runs) create the run directory. Raises ConfigError before writing anything."""
     check_run_config(config)
     split_cpu_host(config.cpu_devices, process_group(config))  # may restart the process
+    use_compile_cache(config.compile_cache)
     multi_process, is_main = jax.process_count() > 1, jax.process_index() == 0
     if multi_process and config.resume is not None:
         raise ConfigError(
