@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -14,6 +13,7 @@ import tyro
 
 from utils.envs import env_family, resolve_env_id
 from utils.errors import ConfigError
+from utils.logs import read_json
 
 
 @dataclasses.dataclass
@@ -102,8 +102,7 @@ def load_saved_config(run_dir: str) -> dict:
         raise ConfigError(f"--resume: run directory {run_dir!r} does not exist")
     if not os.path.isfile(path):
         raise ConfigError(f"--resume: {run_dir!r} has no config.json, so it is not a run directory")
-    with open(path) as f:
-        return json.load(f)
+    return read_json(path, "--resume")
 
 
 def gymnax_preset_key(env: str) -> str:

@@ -20,7 +20,6 @@ import dataclasses
 import fcntl
 import functools
 import itertools
-import json
 import math
 import os
 import shutil
@@ -42,7 +41,7 @@ from utils.devices import (
     unroll_threefry_on_cpu,
 )
 from utils.errors import ConfigError
-from utils.logs import MetricsCsv, WandbSink, read_metrics_csv, write_json
+from utils.logs import MetricsCsv, WandbSink, read_json, read_metrics_csv, write_json
 from utils.plotting import plot_learning_curve
 from utils.sweep import config_label, num_configs, sweep_configs
 from utils.trainer import (
@@ -150,8 +149,8 @@ def _check_resumable(config, trainer: Trainer) -> int | None:
     another trainer's directory."""
     saved_algo = trainer.algo  # run directories from before run.json existed: unchecked
     if os.path.exists(os.path.join(config.resume, "run.json")):
-        with open(os.path.join(config.resume, "run.json")) as f:
-            saved_algo = json.load(f).get("algo", trainer.algo)
+        saved = read_json(os.path.join(config.resume, "run.json"), "--resume")
+        saved_algo = saved.get("algo", trainer.algo)
     if saved_algo != trainer.algo:
         raise ConfigError(
             f"--resume: {config.resume!r} is a {saved_algo} run, not a {trainer.algo} one"
@@ -662,8 +661,7 @@ def run_training(config, make_train: Callable, validate: Callable, return_state:
     finished = plan.resume_update == plan.trainer.num_updates
     if finished and os.path.exists(os.path.join(plan.run_dir, "summary.json")):
         print(f"{plan.trainer.algo} {plan.trainer.env_id}: already complete -> {plan.run_dir}")
-        with open(os.path.join(plan.run_dir, "summary.json")) as f:
-            summary = json.load(f)
+        summary = read_json(os.path.join(plan.run_dir, "summary.json"), "--resume")
         return (summary, None) if return_state else summary
     with _run_lock(plan.run_dir), checkpoint.stop_signals_interrupt():
         try:

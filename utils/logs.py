@@ -12,6 +12,8 @@ import sys
 
 import numpy as np
 
+from utils.errors import ConfigError
+
 
 class MetricsCsv:
     """metrics.csv with one row per update and run. A run is named by `run_columns` (its seed
@@ -172,3 +174,18 @@ def write_json(path: str, data) -> None:
         json.dump(_strict_json(data), f, indent=2, allow_nan=False)
         f.write("\n")
     os.replace(tmp, path)
+
+
+def read_json(path: str, flag: str) -> dict:
+    """The JSON object at `path`, which `flag` reads. A file that is cut short (a crash, a full
+    disk), not JSON, not an object or unreadable is a ConfigError that names it."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as error:
+        raise ConfigError(f"{flag}: cannot read {path}: {error.strerror}") from None
+    except ValueError as error:  # not JSON, or bytes that are not UTF-8
+        raise ConfigError(f"{flag}: {path} is not valid JSON ({error})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{flag}: {path} holds a JSON {type(data).__name__}, not an object")
+    return data
