@@ -5,6 +5,7 @@ checks (swept values unreadable to compiled code, the config never mutated)."""
 import concurrent.futures
 import csv
 import dataclasses
+import errno
 import fcntl
 import json
 import os
@@ -18,9 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.helpers import assert_identical_runs, checkpoint_leaves, metric_table
-from utils import checkpoint, driver
-from utils.cli import RunConfig
+from tests.helpers import assert_identical_runs, checkpoint_leaves, metric_table, run_script
+from utils import checkpoint, driver, logs
+from utils.cli import RunConfig, exit_on_config_error
 from utils.driver import auto_updates_per_chunk, run_training
 from utils.errors import ConfigError
 from utils.trainer import (
@@ -45,6 +46,7 @@ class StubConfig(RunConfig):
     target: float = 1.0
     limit: int = 3  # an int hyperparameter
     negative_rate: bool = False  # the validator's one check
+    ballast: int = 0  # floats of dead weight in the state, for a checkpoint of that size
 
 
 class StubHyperParams(NamedTuple):
@@ -75,13 +77,19 @@ def make_stub(read_in_chunk: str | None = None, read_in_build: str | None = None
             x, metrics = jax.lax.scan(update, state["x"], None, num_updates)
             return {**state, "x": x}, metrics
 
+        def init(key, hp):
+            state = {"x": jax.random.uniform(key), "hp": hp}
+            if config.ballast:  # random, so that no compression makes it small
+                state["ballast"] = jax.random.uniform(key, (config.ballast,))
+            return state
+
         return Trainer(
             algo="stub",
             env_id=config.env,
             num_updates=config.num_updates,
             steps_per_update=10,
             hyperparams=hyperparams_of(StubHyperParams, config),
-            init=lambda key, hp: {"x": jax.random.uniform(key), "hp": hp},
+            init=init,
             train_chunk=train_chunk,
             evaluate=lambda state, key: jnp.full(2, state["x"]),  # two "episodes"
             runtime=runtime or Runtime(),
@@ -425,3 +433,173 @@ def test_sweep_ranking_orders_configurations_by_mean_final_value_nan_last():
     assert ranking[0]["final_mean"] == 2.5 and ranking[0]["final_std"] == 0.0
     assert ranking[1]["final_std"] == 1.0 and ranking[1]["hyperparams"] == {"rate": 0.1}
     assert np.isnan(ranking[2]["final_mean"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Files that cannot be written: one sentence, exit code 1, the last checkpoint kept
+# ---------------------------------------------------------------------------------------------
+
+
+def only_run_dir(runs_dir: Path) -> Path:
+    (run_dir,) = runs_dir.iterdir()
+    return run_dir
+
+
+def disk_full(*_, **__):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # a write or flush: no file name
+
+
+def failing_open(name: str, on_call: int = 1):
+    """`open` for utils/logs.py whose `on_call`-th opening of a file called `name` fails as a
+    full disk does."""
+    calls = []
+
+    def fake_open(path, *args, **kwargs):
+        if os.path.basename(path) == name:
+            calls.append(path)
+            if len(calls) == on_call:
+                disk_full()
+        return open(path, *args, **kwargs)
+
+    return fake_open
+
+
+def tensorstore_disk_full_on_call(on_call: int):
+    """Orbax's save, whose `on_call`-th call fails as tensorstore reports a full disk."""
+    real, calls = checkpoint.ocp.Checkpointer.save, []
+
+    def save(self, *args, **kwargs):
+        calls.append(None)
+        if len(calls) == on_call:
+            raise ValueError(
+                'RESOURCE_EXHAUSTED: Error writing "leaves.00002/0.0.0" in OCDBT database: Failed '
+                "to write 80158 bytes to file 15: No space left on device [os_error_code='28']"
+            )
+        return real(self, *args, **kwargs)
+
+    return save
+
+
+@pytest.mark.parametrize(
+    ("path", "kept"),
+    [
+        ("metrics.csv", 4),  # the third chunk's rows
+        ("checkpoints/update_00000006", 4),
+        ("summary.json", 8),
+        ("learning_curve.png", 8),
+    ],
+)
+def test_a_failed_write_is_one_sentence_exit_1_and_the_run_resumes(
+    tmp_path, monkeypatch, capsys, path, kept
+):
+    with monkeypatch.context() as patch:
+        if path == "metrics.csv":
+            patch.setattr(logs, "open", failing_open("metrics.csv", 3), raising=False)
+        elif path == "summary.json":
+            patch.setattr(logs, "open", failing_open("summary.json.tmp"), raising=False)
+        elif path == "learning_curve.png":
+            patch.setattr(driver, "plot_learning_curve", disk_full)
+        else:
+            patch.setattr(checkpoint.ocp.Checkpointer, "save", tensorstore_disk_full_on_call(3))
+        with pytest.raises(SystemExit) as exit_info, exit_on_config_error():
+            train(tmp_path, updates_per_chunk=2)
+    assert exit_info.value.code == 1
+    run_dir = only_run_dir(tmp_path / "runs")
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: could not write {run_dir / path}: No space left on device; the checkpoint "
+        f"of update {kept} is intact: --resume {run_dir} continues from it"
+    ]
+    assert checkpoint.latest_update(str(run_dir / "checkpoints")) == kept
+    resumed = train(tmp_path, resume=str(run_dir))
+    assert resumed["resumed_from_update"] == kept
+    uninterrupted = train(tmp_path / "uninterrupted", updates_per_chunk=2)["run_dir"]
+    np.testing.assert_array_equal(metric_table(run_dir, 0), metric_table(uninterrupted, 0))
+
+
+# A stub run whose files may not grow past 64 KiB (setrlimit, as a full disk does to a
+# checkpoint of 200 KB, but unprivileged): its first checkpoint fails inside tensorstore.
+CHECKPOINT_TOO_LARGE = """
+import resource, signal, sys
+from tests.test_driver import StubConfig, make_stub, stub_validate
+from utils.cli import exit_on_config_error
+from utils.driver import run_training
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+resource.setrlimit(resource.RLIMIT_FSIZE, (2**16, 2**16))
+with exit_on_config_error():
+    config = StubConfig(runs_dir=sys.argv[1], progress=False, updates_per_chunk=4, ballast=50_000)
+    run_training(config, make_stub(), stub_validate)
+"""
+
+
+def test_a_checkpoint_that_cannot_be_written_is_one_sentence_not_orbax_tracebacks(tmp_path):
+    """Orbax's threads log the failure, and tensorstore's callbacks report 'Event loop is
+    closed' many times over; the driver reports it once."""
+    env = {"JAX_COMPILATION_CACHE_DIR": ""}  # the cache's files would hit the limit too
+    result = run_script("-c", CHECKPOINT_TOO_LARGE, str(tmp_path / "runs"), env_extra=env)
+    assert result.returncode == 1, result.stderr[-3000:]
+    run_dir = only_run_dir(tmp_path / "runs")
+    assert result.stderr.strip().splitlines() == [
+        f"error: could not write {run_dir}/checkpoints/update_00000004: File too large; "
+        f"{run_dir} has no checkpoint yet: --resume {run_dir} starts it over"
+    ]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_a_run_directory_made_read_only_mid_run(tmp_path, monkeypatch, capsys):
+    def read_only_after_update_4(self, done, *_):
+        if done == 4:
+            for path in (tmp_path / "runs").rglob("*"):
+                path.chmod(0o555 if path.is_dir() else 0o444)
+
+    monkeypatch.setattr(driver._Progress, "update", read_only_after_update_4)
+    with pytest.raises(SystemExit) as exit_info, exit_on_config_error():
+        train(tmp_path, updates_per_chunk=2)
+    assert exit_info.value.code == 1
+    run_dir = only_run_dir(tmp_path / "runs")
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"error: could not write {run_dir}/")
+    assert line.endswith(
+        f"Permission denied; the checkpoint of update 4 is intact: --resume {run_dir} continues from it"
+    )
+    for path in (tmp_path / "runs").rglob("*"):
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    monkeypatch.undo()
+    assert train(tmp_path, resume=str(run_dir))["resumed_from_update"] == 4
+
+
+def test_runs_dir_that_cannot_hold_a_run_is_refused_before_anything_is_written(
+    tmp_path, monkeypatch
+):
+    def run(runs_dir):
+        config = StubConfig(runs_dir=str(runs_dir), progress=False)
+        return run_training(config, make_stub(), stub_validate)
+
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match=r"^--runs-dir '.*/file' is a file, not a directory$"):
+        run(tmp_path / "file")
+    with pytest.raises(ConfigError, match=r"^--runs-dir '.*/file/runs': Not a directory$"):
+        run(tmp_path / "file" / "runs")
+    (tmp_path / "runs").mkdir()
+    with monkeypatch.context() as patch:  # the disk fills between mkdir and config.json
+        patch.setattr(logs, "open", disk_full, raising=False)
+        with pytest.raises(
+            ConfigError, match=r"^--runs-dir .*: could not write .*config\.json: No space left"
+        ):
+            run(tmp_path / "runs")
+    assert not any((tmp_path / "runs").iterdir())  # no half-made run directory is left
+    if os.geteuid() != 0:  # root writes into read-only directories
+        (tmp_path / "runs").chmod(0o555)
+        with pytest.raises(ConfigError, match=r"^--runs-dir '.*/runs': Permission denied$"):
+            run(tmp_path / "runs")
+        assert not any((tmp_path / "runs").iterdir())
+
+
+def test_resume_of_a_run_directory_it_cannot_write_is_refused(tmp_path):
+    run_dir = Path(train(tmp_path, updates_per_chunk=2)["run_dir"])
+    (run_dir / "summary.json").unlink()
+    (run_dir / ".lock").mkdir()  # as root, a directory is what open(..., "w") cannot write
+    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
+    with pytest.raises(ConfigError, match=r"^cannot write .*\.lock: Is a directory$"):
+        train(tmp_path, resume=str(run_dir))
+    assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import tyro
 
 from utils.envs import env_family, resolve_env_id
-from utils.errors import ConfigError
+from utils.errors import ConfigError, OutputError
 from utils.logs import read_json
 
 
@@ -173,13 +173,17 @@ def require_in(config, name: str, low: float, high: float = math.inf, *, above_l
 
 @contextlib.contextmanager
 def exit_on_config_error():
-    """Turn a ConfigError into one line on stderr and exit code 2, and a Ctrl-C before the run
-    has started (the driver handles the ones after) into one line and exit code 130."""
+    """Turn a ConfigError into one line on stderr and exit code 2, an OutputError (a file of
+    the run that could not be written) into one line and exit code 1, and a Ctrl-C before the
+    run has started (the driver handles the ones after) into one line and exit code 130."""
     try:
         yield
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
+    except OutputError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(1)
     except KeyboardInterrupt:
         print("\ninterrupted before the run started", file=sys.stderr)
         sys.exit(130)

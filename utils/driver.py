@@ -10,7 +10,7 @@ contract of utils/trainer.py, in four stages that read top to bottom:
    devices on the outer axis, runs on the inner one. Between chunks, and only there, the host
    writes metrics.csv, wandb, the progress bar and an atomic checkpoint. With a single chunk
    the whole run is exactly one scan.
-4. `report`: evaluation, video, summary.json, the learning curve and the one-line result.
+4. `report`: evaluation, video, the learning curve, summary.json (last) and the one-line result.
 """
 
 from __future__ import annotations
@@ -40,8 +40,15 @@ from utils.devices import (
     split_cpu_host,
     unroll_threefry_on_cpu,
 )
-from utils.errors import ConfigError
-from utils.logs import MetricsCsv, WandbSink, read_json, read_metrics_csv, write_json
+from utils.errors import ConfigError, OutputError
+from utils.logs import (
+    MetricsCsv,
+    WandbSink,
+    naming_the_file,
+    read_json,
+    read_metrics_csv,
+    write_json,
+)
 from utils.plotting import plot_learning_curve
 from utils.sweep import config_label, num_configs, sweep_configs
 from utils.trainer import (
@@ -123,8 +130,11 @@ def check_run_config(config) -> None:
 
 def _new_run_dir(config, trainer: Trainer) -> str:
     """A fresh run directory with config.json. Created atomically: two launches in the same
-    second (a parallel sweep) get a name each, with a suffix."""
+    second (a parallel sweep) get a name each, with a suffix. A runs dir that cannot hold it is
+    a ConfigError, and leaves nothing behind."""
     name = f"{trainer.env_id}__{trainer.algo}__{config.seed}__{time.strftime('%Y%m%d-%H%M%S')}"
+    if os.path.isfile(config.runs_dir):
+        raise ConfigError(f"--runs-dir {config.runs_dir!r} is a file, not a directory")
     try:
         os.makedirs(config.runs_dir, exist_ok=True)
     except OSError as error:
@@ -138,9 +148,17 @@ def _new_run_dir(config, trainer: Trainer) -> str:
             continue
         except OSError as error:
             raise ConfigError(f"--runs-dir {config.runs_dir!r}: {error.strerror}") from None
-    write_json(os.path.join(run_dir, "config.json"), dataclasses.asdict(config))
-    # what made the run, so that --resume can refuse another trainer's directory
-    write_json(os.path.join(run_dir, "run.json"), {"algo": trainer.algo, "env_id": trainer.env_id})
+    try:
+        write_json(os.path.join(run_dir, "config.json"), dataclasses.asdict(config))
+        # what made the run, so that --resume can refuse another trainer's directory
+        write_json(
+            os.path.join(run_dir, "run.json"), {"algo": trainer.algo, "env_id": trainer.env_id}
+        )
+    except OSError as error:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        raise ConfigError(
+            f"--runs-dir {config.runs_dir!r}: could not write {error.filename}: {error.strerror}"
+        ) from None
     return run_dir
 
 
@@ -161,21 +179,48 @@ def _check_resumable(config, trainer: Trainer) -> int | None:
 @contextlib.contextmanager
 def _run_lock(run_dir: str | None):
     """Holds RUN_DIR/.lock for the run's lifetime: a second process on the same run directory
-    (two --resume at once) gets one sentence instead of racing the first one's files."""
+    (two --resume at once) gets one sentence instead of racing the first one's files. A file
+    of the run that cannot be written (a full disk, a read-only directory) becomes an
+    OutputError: one sentence with the file, the error and how to resume."""
     if run_dir is None:
         yield
         return
     path = os.path.join(run_dir, ".lock")
-    with open(path, "w") as lock:
+    with _open_to_write(path) as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise ConfigError(f"{run_dir!r} is in use by another training process") from None
         try:
             yield
+        except OSError as error:
+            raise OutputError(_failed_write(run_dir, error)) from None
         finally:
-            with contextlib.suppress(FileNotFoundError):  # an interrupted new run removes it all
+            # gone when an interrupted new run removed it all; stays where nothing can be written
+            with contextlib.suppress(OSError):
                 os.unlink(path)
+
+
+def _open_to_write(path: str):
+    """`open(path, "w")`, or a ConfigError: the run directory cannot be written."""
+    try:
+        return open(path, "w")
+    except OSError as error:
+        raise ConfigError(f"cannot write {path}: {error.strerror}") from None
+
+
+def _failed_write(run_dir: str, error: OSError) -> str:
+    """The sentence for a failed write: the file, the error, and what --resume does next."""
+    failed = f"could not write {error.filename}: {error.strerror or error}"
+    if error.filename is None:
+        failed = f"a write failed: {error.strerror or error}"
+    update = checkpoint.latest_update(os.path.join(run_dir, "checkpoints"))
+    if update is None:
+        return f"{failed}; {run_dir} has no checkpoint yet: --resume {run_dir} starts it over"
+    return (
+        f"{failed}; the checkpoint of update {update} is intact: --resume {run_dir} continues "
+        "from it"
+    )
 
 
 class _Progress:
@@ -498,7 +543,8 @@ def train_in_chunks(plan: RunPlan, state, start_update: int, clock: _Clock, wand
                     checkpoint.save(plan.checkpoint_dir, update, state, clock.totals(update))
                     saved_update = update
             if is_main and records and trainer.write_records is not None:
-                written = trainer.write_records(plan.run_dir, update, records)
+                with naming_the_file(os.path.join(plan.run_dir, "games")):
+                    written = trainer.write_records(plan.run_dir, update, records)
                 if wandb_sink is not None:
                     wandb_sink.log_files(update * trainer.steps_per_update, written)
             done_steps = (update - start_update) * trainer.steps_per_update * plan.num_runs
@@ -547,12 +593,14 @@ def _evaluate_final(plan: RunPlan, state, clock: _Clock) -> np.ndarray | None:
 def _capture_video(plan: RunPlan, state, wandb_sink) -> None:
     """--capture-video: one greedy episode of the first run, as RUN_DIR/videos/final.gif."""
     trainer = plan.trainer
-    video_path = write_episode_gif(
-        trainer.env_id,
-        trainer.video_policy(jax.tree.map(lambda x: x[0, 0], state)),  # device 0, run 0
-        jax.random.fold_in(plan.run_keys[0], 2),
-        os.path.join(plan.run_dir, "videos", "final.gif"),
-    )
+    gif_path = os.path.join(plan.run_dir, "videos", "final.gif")
+    with naming_the_file(gif_path):
+        video_path = write_episode_gif(
+            trainer.env_id,
+            trainer.video_policy(jax.tree.map(lambda x: x[0, 0], state)),  # device 0, run 0
+            jax.random.fold_in(plan.run_keys[0], 2),
+            gif_path,
+        )
     if video_path is not None and wandb_sink is not None:
         wandb_sink.log_video(video_path)
 
@@ -629,22 +677,25 @@ def _result_line(plan: RunPlan, summary: dict) -> str:
 
 
 def report(plan: RunPlan, state, start_update: int, clock: _Clock, wandb_sink) -> dict:
-    """Process 0 after training: evaluation, video, summary.json, the learning curve, wandb's
+    """Process 0 after training: evaluation, video, the learning curve, summary.json, wandb's
     summary and the one-line result."""
     eval_returns = _evaluate_final(plan, state, clock)
     if plan.trainer.video_policy is not None:
         _capture_video(plan, state, wandb_sink)
     summary = _summary(plan, read_metrics_csv(plan.csv_path), eval_returns, start_update, clock)
-    write_json(os.path.join(plan.run_dir, "summary.json"), summary)
     trainer = plan.trainer
-    plot_learning_curve(
-        plan.csv_path,
-        os.path.join(plan.run_dir, "learning_curve.png"),
-        f"{trainer.algo} {trainer.env_id}",
-        trainer.headline_metric,
-        trainer.step_unit,
-        [config_label(values) for values in plan.overrides] if plan.config.sweep else None,
-    )
+    png_path = os.path.join(plan.run_dir, "learning_curve.png")
+    with naming_the_file(png_path):
+        plot_learning_curve(
+            plan.csv_path,
+            png_path,
+            f"{trainer.algo} {trainer.env_id}",
+            trainer.headline_metric,
+            trainer.step_unit,
+            [config_label(values) for values in plan.overrides] if plan.config.sweep else None,
+        )
+    # last: a run directory with a summary has every output, and --resume finds it complete
+    write_json(os.path.join(plan.run_dir, "summary.json"), summary)
     if wandb_sink is not None:
         wandb_sink.finish(summary)
     print(_result_line(plan, summary))
