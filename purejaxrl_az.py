@@ -999,6 +999,8 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
         write_records=functools.partial(write_game_records, env=env, opponent_names=tuple(players)),
         # JAX's rolled CPU form: self-play runs slower unrolled (docs/benchmarks.md)
         unrolled_threefry=False,
+        guarded_metrics=("policy_loss", "value_loss"),
+        guarded_state=lambda state: (state.params, state.batch_stats, state.opt_state),
     )
 
 

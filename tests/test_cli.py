@@ -65,5 +65,7 @@ def test_help_names_every_flag_and_says_breakout_is_minatar():
     flags += " --update-epochs --gamma --gae-lambda --clip-coef --ent-coef --vf-coef"
     flags += " --max-grad-norm --anneal-lr --track --wandb-project-name --wandb-entity"
     flags += " --num-seeds --num-devices --resume --no-progress --eval-episodes"
+    flags += " --allow-nonfinite"
     for flag in flags.split():
         assert flag in text, flag
+    assert "exits with code 3" in text

@@ -46,6 +46,8 @@ class StubConfig(RunConfig):
     target: float = 1.0
     limit: int = 3  # an int hyperparameter
     negative_rate: bool = False  # the validator's one check
+    nan_at: int = 0  # x turns NaN at this update, as a diverging run's parameters (0: never)
+    loss_from: int = 1  # the loss is NaN before this update, as DQN's before learning starts
     ballast: int = 0  # floats of dead weight in the state, for a checkpoint of that size
 
 
@@ -69,16 +71,26 @@ def make_stub(read_in_chunk: str | None = None, read_in_build: str | None = None
             getattr(config, read_in_build)
 
         def train_chunk(state, num_updates):
-            def update(x, _):
+            def update(carry, _):
+                x, done = carry
+                done = done + 1
                 rate = getattr(config, read_in_chunk) if read_in_chunk else state["hp"].rate
+                # the loss of the update's starting point, as a trainer's loss is computed
+                # before its gradient step
+                loss = jnp.where(
+                    done >= config.loss_from, jnp.square(x - state["hp"].target), jnp.nan
+                )
                 x = x + rate * (state["hp"].target - x)
-                return x, {"episode_return": x, "loss": jnp.square(x - state["hp"].target)}
+                x = jnp.where(done == config.nan_at, jnp.nan, x)
+                return (x, done), {"episode_return": x, "loss": loss}
 
-            x, metrics = jax.lax.scan(update, state["x"], None, num_updates)
-            return {**state, "x": x}, metrics
+            (x, done), metrics = jax.lax.scan(
+                update, (state["x"], state["updates"]), None, num_updates
+            )
+            return {**state, "x": x, "updates": done}, metrics
 
         def init(key, hp):
-            state = {"x": jax.random.uniform(key), "hp": hp}
+            state = {"x": jax.random.uniform(key), "hp": hp, "updates": jnp.int32(0)}
             if config.ballast:  # random, so that no compression makes it small
                 state["ballast"] = jax.random.uniform(key, (config.ballast,))
             return state
@@ -93,6 +105,8 @@ def make_stub(read_in_chunk: str | None = None, read_in_build: str | None = None
             train_chunk=train_chunk,
             evaluate=lambda state, key: jnp.full(2, state["x"]),  # two "episodes"
             runtime=runtime or Runtime(),
+            guarded_metrics=("loss",),
+            guarded_state=lambda state: state["x"],
         )
 
     return make_train
@@ -298,6 +312,8 @@ def test_a_metric_must_have_one_value_per_update():
     check_chunk_metrics({"loss": np.zeros((2, 5)), "record_moves": np.zeros((2, 9))}, 5)
     with pytest.raises(TrainerContractError, match=r"'loss' has shape \(\)"):
         check_chunk_metrics({"loss": np.zeros(2)}, 5)
+    with pytest.raises(TrainerContractError, match=r"guarded_metrics \['los'\] are not metrics"):
+        check_chunk_metrics({"loss": np.zeros((2, 5))}, 5, guarded=("los",))
 
 
 def test_train_needs_no_driver_and_no_device_axis():
@@ -436,13 +452,75 @@ def test_sweep_ranking_orders_configurations_by_mean_final_value_nan_last():
 
 
 # ---------------------------------------------------------------------------------------------
-# Files that cannot be written: one sentence, exit code 1, the last checkpoint kept
+# The divergence guard
 # ---------------------------------------------------------------------------------------------
+
+
+def strict_json(path):
+    """A JSON file as strict readers (jq, JavaScript) read it: NaN or Infinity fails."""
+
+    def refuse(constant):
+        raise AssertionError(f"{path} holds {constant}, which strict JSON readers reject")
+
+    return json.loads(Path(path).read_text(), parse_constant=refuse)
 
 
 def only_run_dir(runs_dir: Path) -> Path:
     (run_dir,) = runs_dir.iterdir()
     return run_dir
+
+
+@pytest.mark.parametrize(
+    ("nan_at", "metric", "described"),
+    [
+        # x turns NaN at update 5; the loss of update 6, computed from x before its step, first
+        (5, "loss", "loss is nan at update 6"),
+        # x turns NaN at the chunk's last update, whose loss is still finite
+        (6, "parameters", "the parameters are not finite after update 6"),
+    ],
+)
+def test_a_diverged_run_stops_after_its_chunk_and_keeps_the_last_finite_checkpoint(
+    tmp_path, capsys, nan_at, metric, described
+):
+    with pytest.raises(SystemExit) as exit_info:
+        train(tmp_path, updates_per_chunk=2, nan_at=nan_at)
+    assert exit_info.value.code == driver.DIVERGED_EXIT_CODE == 3
+    run_dir = only_run_dir(tmp_path / "runs")
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"diverged: {described}; kept the checkpoint of update 4 -> {run_dir}"
+    ]
+    assert os.listdir(run_dir / "checkpoints") == ["update_00000004"]
+    rows = read_rows(run_dir)  # the diverged chunk's rows show the NaN
+    assert [int(r["update"]) for r in rows] == list(range(1, 7))
+    assert float(rows[-1]["episode_return"]) != float(rows[-1]["episode_return"])
+    summary = strict_json(run_dir / "summary.json")
+    assert summary["diverged"] == {"metric": metric, "update": 6, "seed": 1}
+    assert summary["eval_episodes"] == 0  # a diverged state is not evaluated
+
+    # the run resumes from its last finite checkpoint; --allow-nonfinite trains through
+    resumed = train(tmp_path, resume=str(run_dir), allow_nonfinite=True)
+    assert resumed["resumed_from_update"] == 4 and resumed["diverged"] is None
+    assert checkpoint.latest_update(str(run_dir / "checkpoints")) == 8
+
+
+def test_allow_nonfinite_trains_to_the_end(tmp_path):
+    summary = train(tmp_path, updates_per_chunk=2, nan_at=5, allow_nonfinite=True)
+    assert summary["diverged"] is None
+    assert checkpoint.latest_update(os.path.join(summary["run_dir"], "checkpoints")) == 8
+    assert [r["loss"] for r in read_rows(summary["run_dir"])][5:] == ["nan"] * 3
+
+
+def test_a_loss_not_reported_yet_is_not_divergence(tmp_path):
+    """DQN's loss is NaN until learning starts: a chunk that is NaN from its start, with finite
+    parameters, is a run that has nothing to report yet."""
+    summary = train(tmp_path, updates_per_chunk=2, loss_from=4)
+    assert summary["diverged"] is None
+    assert [r["loss"] == "nan" for r in read_rows(summary["run_dir"])][:4] == [True] * 3 + [False]
+
+
+# ---------------------------------------------------------------------------------------------
+# Files that cannot be written: one sentence, exit code 1, the last checkpoint kept
+# ---------------------------------------------------------------------------------------------
 
 
 def disk_full(*_, **__):

@@ -63,6 +63,10 @@ class RunConfig:
     """folder that holds one directory per run"""
     resume: str | None = None
     """continue the run in this run directory from its latest checkpoint"""
+    allow_nonfinite: bool = False
+    """train on when a loss or a parameter turns NaN or inf (to study divergence). By default
+    such a run stops after that chunk, keeps its last finite checkpoint, marks summary.json
+    "diverged" and exits with code 3"""
 
 
 @dataclasses.dataclass
@@ -82,6 +86,7 @@ class EpisodeRunConfig(RunConfig):
 RESUMABLE_OVERRIDES = frozenset(
     {"resume", "progress", "updates_per_chunk", "track", "wandb_project_name", "wandb_entity"}
     | {"eval_episodes", "runs_dir", "capture_video", "eval_games", "record_games"}
+    | {"allow_nonfinite"}
 )
 
 

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
@@ -61,6 +62,8 @@ from utils.trainer import (
 from utils.video import write_episode_gif
 
 CHUNKS_PER_RUN = 25  # automatic chunking aims at about this many progress/checkpoint points
+# a run whose losses or parameters turned NaN or inf exits with this (--allow-nonfinite)
+DIVERGED_EXIT_CODE = 3
 # every process of a multi-process run meets here once process 0 has written its report
 _REPORTED_BARRIER = "purejaxrl run reported"
 
@@ -505,16 +508,80 @@ class _ChunkRunner:
         state, metrics = self.compiled[num_updates](state)
         metrics = {k: np.asarray(v[0]) for k, v in jax.device_get(metrics).items()}
         self.clock.train_seconds += time.perf_counter() - start
-        check_chunk_metrics(metrics, num_updates)
+        check_chunk_metrics(metrics, num_updates, self.plan.trainer.guarded_metrics)
         return state, metrics
+
+
+@dataclasses.dataclass(frozen=True)
+class Divergence:
+    """Where the first run diverged: the first update of a guarded metric's non-finite
+    stretch or, where only the guarded state is not finite, the chunk's last update."""
+
+    metric: str  # a guarded metric, or "parameters"
+    value: str  # the metric's value there: "nan", "inf" or "-inf"
+    update: int
+    run: int
+    logged_until: int  # the diverged chunk's last update: metrics.csv holds its rows
+
+    def described(self) -> str:
+        if self.metric == "parameters":
+            return f"the parameters are not finite after update {self.update}"
+        return f"{self.metric} is {self.value} at update {self.update}"
+
+
+class _DivergenceGuard:
+    """After each chunk, on the host: where the first run diverged, or None. A run has diverged
+    when a floating-point leaf of its guarded state (parameters, optimiser state) is NaN or inf
+    at the chunk's end, or when a guarded metric (a loss) is NaN or inf from some update to the
+    chunk's end after a finite value: a diverged run does not recover. A guarded metric that is
+    NaN from the chunk's start while the state is finite has nothing to report yet (DQN's loss
+    before learning starts). The state's check is one small compiled reduction per chunk, with
+    one boolean per device and run for the host."""
+
+    def __init__(self, plan: RunPlan):
+        self.plan, self.state_finite = plan, None
+        if plan.trainer.guarded_state is not None:
+            finite = _over_runs(self._finite, plan.num_runs)
+            self.state_finite = jax.pmap(finite, axis_name=DEVICE_AXIS)
+
+    def _finite(self, state):
+        leaves = jax.tree.leaves(self.plan.trainer.guarded_state(state))
+        floats = [x for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)]
+        return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in floats or [jnp.zeros(())]]))
+
+    def __call__(self, state, metrics: dict, first_update: int) -> Divergence | None:
+        names = self.plan.trainer.guarded_metrics
+        last_update = first_update + next(iter(metrics.values())).shape[1] - 1
+        finite_state = np.ones(self.plan.num_runs, bool)
+        if self.state_finite is not None:
+            finite_state = jax.device_get(self.state_finite(state))[0]
+        # (update, run, metric's order) sorts the first divergence first
+        found = [
+            (last_update, run, len(names), "parameters", "")
+            for run in np.flatnonzero(~finite_state)
+        ]
+        for order, name in enumerate(names):
+            for run, values in enumerate(metrics[name]):
+                finite = np.flatnonzero(np.isfinite(values))
+                start = finite[-1] + 1 if finite.size else 0
+                if start < len(values) and (start > 0 or not finite_state[run]):
+                    found.append((first_update + int(start), run, order, name, str(values[start])))
+        if not found:
+            return None
+        update, run, _, metric, value = min(found)
+        return Divergence(metric, value, int(update), int(run), last_update)
 
 
 def train_in_chunks(plan: RunPlan, state, start_update: int, clock: _Clock, wandb_sink):
     """Train to the last update, one compiled chunk at a time. After each chunk, and only there,
     process 0 appends to metrics.csv and wandb, writes records and saves a checkpoint. Ctrl-C
-    saves a checkpoint and exits 130. Returns the final state."""
+    saves a checkpoint and exits 130. A chunk in which a run diverged (_DivergenceGuard; off
+    with --allow-nonfinite) is logged but not kept: training stops at the last finite state.
+    Returns (that state, the Divergence or None)."""
     trainer, is_main = plan.trainer, plan.is_main
     run_chunk = _ChunkRunner(plan, clock)
+    guard = None if plan.config.allow_nonfinite else _DivergenceGuard(plan)
+    divergence = None
     metrics_csv = None
     progress = _Progress(
         plan.config.progress and is_main, trainer.num_updates, start_update, trainer.env_id, trainer
@@ -526,9 +593,9 @@ def train_in_chunks(plan: RunPlan, state, start_update: int, clock: _Clock, wand
             new_state, metrics = run_chunk(state, num_updates)
             # the first run's records
             records = {k: metrics.pop(k)[0] for k in list(metrics) if k.startswith("record_")}
+            first_update = update + 1
+            divergence = guard(new_state, metrics, first_update) if guard else None
             with checkpoint.defer_interrupts():  # logs and checkpoint of a chunk land together
-                state, first_update = new_state, update + 1
-                update += num_updates
                 if is_main:
                     if metrics_csv is None:
                         metrics_csv = MetricsCsv(
@@ -540,6 +607,11 @@ def train_in_chunks(plan: RunPlan, state, start_update: int, clock: _Clock, wand
                     metrics_csv.append(first_update, trainer.steps_per_update, metrics)
                     if wandb_sink is not None:
                         wandb_sink.log(first_update, trainer.steps_per_update, metrics)
+                if divergence is not None:
+                    break  # its rows show the NaN; its state is neither kept nor saved
+                state = new_state
+                update += num_updates
+                if is_main:
                     checkpoint.save(plan.checkpoint_dir, update, state, clock.totals(update))
                     saved_update = update
             if is_main and records and trainer.write_records is not None:
@@ -557,7 +629,7 @@ def train_in_chunks(plan: RunPlan, state, start_update: int, clock: _Clock, wand
         raise
     finally:
         progress.close()
-    return state
+    return state, divergence
 
 
 def _exit_interrupted(plan: RunPlan) -> None:
@@ -605,19 +677,21 @@ def _capture_video(plan: RunPlan, state, wandb_sink) -> None:
         wandb_sink.log_video(video_path)
 
 
-def _summary(plan: RunPlan, columns: dict, evaluation, start_update: int, clock) -> dict:
+def _summary(
+    plan: RunPlan, columns: dict, evaluation, start_update: int, clock, divergence=None
+) -> dict:
     """summary.json: lists "per seed" hold one entry per run, configuration-major when
-    sweeping. "final_*" is the headline metric over the last updates; "eval_return_*" the mean
-    return of the evaluation after training (null without one)."""
+    sweeping. "final_*" is the headline metric over the last updates trained; "eval_return_*"
+    the mean return of the evaluation after training (null without one); "diverged" where the
+    first run diverged (null if none did)."""
     trainer, config = plan.trainer, plan.config
+    end_update = trainer.num_updates if divergence is None else divergence.logged_until
     num_seeds, num_runs = config.num_seeds, plan.num_runs
     eval_returns = [float("nan")] * num_runs if evaluation is None else evaluation.mean(1).tolist()
-    final_values = _final_values(
-        columns, trainer.headline_metric, num_seeds, num_runs, trainer.num_updates
-    )
+    final_values = _final_values(columns, trainer.headline_metric, num_seeds, num_runs, end_update)
     metric_names = [n for n in columns if n not in ("update", "env_steps", *plan.run_columns)]
-    totals = clock.totals(trainer.num_updates)
-    steps_done = (trainer.num_updates - start_update) * trainer.steps_per_update * num_runs
+    totals = clock.totals(end_update)
+    steps_done = (end_update - start_update) * trainer.steps_per_update * num_runs
     steps_per_second = steps_done / max(clock.train_seconds, 1e-9)
     summary = {
         "algo": trainer.algo,
@@ -644,6 +718,7 @@ def _summary(plan: RunPlan, columns: dict, evaluation, start_update: int, clock)
         "train_seconds": totals["train_seconds"],
         "wall_seconds": totals["wall_seconds"],
         "resumed_from_update": start_update if config.resume is not None else None,
+        "diverged": None if divergence is None else _divergence_entry(plan, divergence),
     }
     if config.sweep:
         summary["sweep"] = {
@@ -652,6 +727,31 @@ def _summary(plan: RunPlan, columns: dict, evaluation, start_update: int, clock)
             "ranking": _sweep_ranking(plan.overrides, final_values, eval_returns),
         }
     return summary
+
+
+def _divergence_entry(plan: RunPlan, divergence: Divergence) -> dict:
+    """summary.json's "diverged": the metric, the update and the run (its seed, and its
+    configuration when sweeping)."""
+    entry = {
+        "metric": divergence.metric,
+        "update": divergence.update,
+        "seed": plan.config.seed + int(plan.run_seed[divergence.run]),
+    }
+    if plan.config.sweep:
+        entry["config"] = int(plan.run_config[divergence.run])
+    return entry
+
+
+def _divergence_line(plan: RunPlan, divergence: Divergence) -> str:
+    """The one line a diverged run prints: what, where, and the checkpoint it kept."""
+    of_run = ""
+    if plan.num_runs > 1:
+        entry = _divergence_entry(plan, divergence)
+        swept = f", {config_label(plan.overrides[entry['config']])}" if "config" in entry else ""
+        of_run = f" (seed {entry['seed']}{swept})"
+    kept = checkpoint.latest_update(plan.checkpoint_dir)
+    keeps = "no checkpoint before it" if kept is None else f"kept the checkpoint of update {kept}"
+    return f"diverged: {divergence.described()}{of_run}; {keeps} -> {plan.run_dir}"
 
 
 def _result_line(plan: RunPlan, summary: dict) -> str:
@@ -676,13 +776,18 @@ def _result_line(plan: RunPlan, summary: dict) -> str:
     )
 
 
-def report(plan: RunPlan, state, start_update: int, clock: _Clock, wandb_sink) -> dict:
+def report(
+    plan: RunPlan, state, start_update: int, clock: _Clock, wandb_sink, divergence=None
+) -> dict:
     """Process 0 after training: evaluation, video, the learning curve, summary.json, wandb's
-    summary and the one-line result."""
-    eval_returns = _evaluate_final(plan, state, clock)
-    if plan.trainer.video_policy is not None:
+    summary and the one-line result. A diverged run gets neither evaluation nor video, and its
+    line on stderr says where it diverged."""
+    diverged = divergence is not None
+    eval_returns = None if diverged else _evaluate_final(plan, state, clock)
+    if plan.trainer.video_policy is not None and not diverged:
         _capture_video(plan, state, wandb_sink)
-    summary = _summary(plan, read_metrics_csv(plan.csv_path), eval_returns, start_update, clock)
+    columns = read_metrics_csv(plan.csv_path)
+    summary = _summary(plan, columns, eval_returns, start_update, clock, divergence)
     trainer = plan.trainer
     png_path = os.path.join(plan.run_dir, "learning_curve.png")
     with naming_the_file(png_path):
@@ -698,7 +803,10 @@ def report(plan: RunPlan, state, start_update: int, clock: _Clock, wandb_sink) -
     write_json(os.path.join(plan.run_dir, "summary.json"), summary)
     if wandb_sink is not None:
         wandb_sink.finish(summary)
-    print(_result_line(plan, summary))
+    if diverged:
+        print(_divergence_line(plan, divergence), file=sys.stderr)
+    else:
+        print(_result_line(plan, summary))
     return summary
 
 
@@ -706,7 +814,8 @@ def run_training(config, make_train: Callable, validate: Callable, return_state:
     """Plan, start or resume, train in chunks and report (utils/trainer.py has the contract
     `make_train` and `validate` follow). Returns the summary dict (None on the processes other
     than 0 of a multi-process run), and with `return_state` also this process's final training
-    state, leaves [local devices, runs, ...]."""
+    state, leaves [local devices, runs, ...]. A run that diverged exits with DIVERGED_EXIT_CODE
+    once it has reported."""
     clock = _Clock(wall_start=time.perf_counter())
     plan = plan_runs(config, make_train, validate)
     finished = plan.resume_update == plan.trainer.num_updates
@@ -718,10 +827,13 @@ def run_training(config, make_train: Callable, validate: Callable, return_state:
         try:
             state, start_update = start_or_resume(plan, clock)
             wandb_sink = _wandb_sink(plan)
-            state = train_in_chunks(plan, state, start_update, clock, wandb_sink)
+            state, divergence = train_in_chunks(plan, state, start_update, clock, wandb_sink)
         except KeyboardInterrupt:
             _exit_interrupted(plan)
-        summary = report(plan, state, start_update, clock, wandb_sink) if plan.is_main else None
+        if plan.is_main:
+            summary = report(plan, state, start_update, clock, wandb_sink, divergence)
+        else:
+            summary = None
     if not plan.is_main:
         print(
             f"{plan.trainer.algo} {plan.trainer.env_id}: process {jax.process_index()} of "
@@ -730,6 +842,8 @@ def run_training(config, make_train: Callable, validate: Callable, return_state:
     if plan.multi_process:
         # no process leaves the group while process 0 still evaluates and reports
         multihost_utils.sync_global_devices(_REPORTED_BARRIER)
+    if divergence is not None:
+        sys.exit(DIVERGED_EXIT_CODE)
     return (summary, state) if return_state else summary
 
 
