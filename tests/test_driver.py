@@ -21,7 +21,8 @@ import pytest
 
 from tests.helpers import assert_identical_runs, checkpoint_leaves, metric_table, run_script
 from utils import checkpoint, driver, logs
-from utils.cli import RunConfig, exit_on_config_error
+from utils.cli import RunConfig, exit_on_config_error, parse_config
+from utils.devices import device_mean
 from utils.driver import auto_updates_per_chunk, run_training
 from utils.errors import ConfigError
 from utils.trainer import (
@@ -46,6 +47,7 @@ class StubConfig(RunConfig):
     target: float = 1.0
     limit: int = 3  # an int hyperparameter
     negative_rate: bool = False  # the validator's one check
+    eval_episodes: int = 2  # "episodes" of the evaluation after training (0: none)
     nan_at: int = 0  # x turns NaN at this update, as a diverging run's parameters (0: never)
     loss_from: int = 1  # the loss is NaN before this update, as DQN's before learning starts
     ballast: int = 0  # floats of dead weight in the state, for a checkpoint of that size
@@ -62,9 +64,15 @@ def stub_validate(config, runtime):
         raise ConfigError(f"--rate must be >= 0, got {config.rate}")
 
 
-def make_stub(read_in_chunk: str | None = None, read_in_build: str | None = None):
+def make_stub(
+    read_in_chunk: str | None = None,
+    read_in_build: str | None = None,
+    evaluate_in_chunks: bool = False,
+):
     """The stub's make_train; `read_in_*` names a config field that it wrongly reads inside its
-    compiled chunk or while it is built."""
+    compiled chunk or while it is built. Its evaluation after training gives `eval_episodes`
+    returns, all x; with `evaluate_in_chunks` it has none and evaluates as AlphaZero does, at
+    the end of each chunk (eval_x)."""
 
     def make_train(config, runtime=None):
         if read_in_build:
@@ -87,7 +95,13 @@ def make_stub(read_in_chunk: str | None = None, read_in_build: str | None = None
             (x, done), metrics = jax.lax.scan(
                 update, (state["x"], state["updates"]), None, num_updates
             )
-            return {**state, "x": x, "updates": done}, metrics
+            state = {**state, "x": x, "updates": done}
+            if evaluate_in_chunks:
+                metrics["eval_x"] = jnp.full(num_updates, jnp.nan).at[-1].set(evaluate_x(state))
+            return state, metrics
+
+        def evaluate_x(state, key=None):
+            return device_mean(state["x"])
 
         def init(key, hp):
             state = {"x": jax.random.uniform(key), "hp": hp, "updates": jnp.int32(0)}
@@ -103,10 +117,15 @@ def make_stub(read_in_chunk: str | None = None, read_in_build: str | None = None
             hyperparams=hyperparams_of(StubHyperParams, config),
             init=init,
             train_chunk=train_chunk,
-            evaluate=lambda state, key: jnp.full(2, state["x"]),  # two "episodes"
+            evaluate=None
+            if evaluate_in_chunks or not config.eval_episodes
+            else lambda state, key: jnp.full(config.eval_episodes, state["x"]),
             runtime=runtime or Runtime(),
             guarded_metrics=("loss",),
             guarded_state=lambda state: state["x"],
+            chunk_evaluation=(lambda state, key: {"eval_x": evaluate_x(state)})
+            if evaluate_in_chunks
+            else None,
         )
 
     return make_train
@@ -681,3 +700,72 @@ def test_resume_of_a_run_directory_it_cannot_write_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"^cannot write .*\.lock: Is a directory$"):
         train(tmp_path, resume=str(run_dir))
     assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before
+
+
+# ---------------------------------------------------------------------------------------------
+# Re-evaluating a finished run
+# ---------------------------------------------------------------------------------------------
+
+
+def without_evaluation(summary: dict) -> dict:
+    """The summary without its evaluation (eval_* keys, the sweep ranking's too): the
+    training's figures, seconds included."""
+
+    def training(fields):
+        return {k: v for k, v in fields.items() if not k.startswith("eval_")}
+
+    rest = training(summary)
+    if "sweep" in rest:
+        rest["sweep"] = {
+            **rest["sweep"],
+            "ranking": [training(r) for r in rest["sweep"]["ranking"]],
+        }
+    return rest
+
+
+def with_wrong_eval_returns(summary: dict) -> dict:
+    """A copy whose eval_return_* numbers are all 0: a re-evaluation must compute its own."""
+    summary = json.loads(json.dumps(summary))
+    for fields in [summary, *summary.get("sweep", {}).get("ranking", [])]:
+        for key, value in fields.items():
+            if key.startswith("eval_return_"):
+                fields[key] = [0.0] * len(value) if isinstance(value, list) else 0.0
+    return summary
+
+
+@pytest.mark.parametrize("evaluate_in_chunks", [False, True], ids=["after-training", "in-chunks"])
+def test_resume_of_a_finished_run_with_an_evaluation_size_evaluates_it_again(
+    tmp_path, capsys, evaluate_in_chunks
+):
+    make_train = make_stub(evaluate_in_chunks=evaluate_in_chunks)
+    run_dir = Path(train(tmp_path, make_train, num_seeds=2, sweep=("rate=0.1,0.5",))["run_dir"])
+    trained = json.loads((run_dir / "summary.json").read_text())
+    damaged = with_wrong_eval_returns(trained)
+    (run_dir / "summary.json").write_text(json.dumps(damaged))
+    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.name != "summary.json"}
+    capsys.readouterr()
+
+    args = ["--resume", str(run_dir), "--eval-episodes", "3"]
+    config = parse_config(StubConfig, {}, args, preset_key=str)
+    summary = run_training(config, make_train, stub_validate)
+    (line,) = capsys.readouterr().out.strip().splitlines()
+    assert line.startswith("stub stub: re-evaluated update 8 with --eval-episodes 3: ")
+    assert line.endswith(f"-> {run_dir}")
+    assert summary == json.loads((run_dir / "summary.json").read_text())
+    assert without_evaluation(summary) == without_evaluation(trained)
+    assert summary["eval_episodes"] == 3
+    x = [m["episode_return"] for m in trained["final_metrics_per_seed"]]  # the final states'
+    ranking = summary["sweep"]["ranking"]
+    of_config = [slice(2 * r["config"], 2 * r["config"] + 2) for r in ranking]
+    if evaluate_in_chunks:
+        assert summary["eval_metrics_per_seed"] == [{"eval_x": v} for v in x]
+        for r, runs in zip(ranking, of_config, strict=True):
+            assert r["eval_metrics_per_seed"] == [{"eval_x": v} for v in x[runs]]
+    else:
+        assert summary["eval_return_per_seed"] == pytest.approx(x)
+        assert summary["eval_return_mean"] == pytest.approx(np.mean(x))
+        for r, runs in zip(ranking, of_config, strict=True):
+            assert r["eval_return_per_seed"] == pytest.approx(x[runs])
+            assert r["eval_return_mean"] == pytest.approx(np.mean(x[runs]))
+    after = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.name != "summary.json"}
+    assert after == before

@@ -1,6 +1,6 @@
 """PPO: GAE, truncation bootstrapping, the PPO loss and the action distributions against plain
 NumPy; the trainer without the driver, as PureJaxRL's users call it; and through the driver,
-what its divergence guard does to a real training state."""
+what its guards and re-evaluation do to a real training state."""
 
 import dataclasses
 import json
@@ -228,3 +228,14 @@ def test_a_diverging_run_stops_after_its_first_chunk_with_one_line_and_exit_code
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["diverged"] == {"metric": "policy_loss", "update": 1, "seed": 1}
     assert len((run_dir / "metrics.csv").read_text().splitlines()) == 1 + 2  # the first chunk
+
+
+def test_a_finished_run_is_evaluated_again_when_asked(tiny_ppo_args, capsys):
+    """--resume of a finished run with --eval-episodes: the same evaluation again, of the
+    checkpoint's state with the same keys, gives the same summary, number for number."""
+    make_train, validate = purejaxrl_ppo.make_train, purejaxrl_ppo.validate
+    trained = run_training(parse_config(Config, PRESETS, tiny_ppo_args), make_train, validate)
+    args = ["--resume", trained["run_dir"], "--eval-episodes", "2"]
+    again = run_training(parse_config(Config, PRESETS, args), make_train, validate)
+    assert again == trained
+    assert "re-evaluated update 8 with --eval-episodes 2: eval return" in capsys.readouterr().out

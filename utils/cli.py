@@ -67,6 +67,9 @@ class RunConfig:
     """train on when a loss or a parameter turns NaN or inf (to study divergence). By default
     such a run stops after that chunk, keeps its last finite checkpoint, marks summary.json
     "diverged" and exits with code 3"""
+    reevaluate: tyro.conf.Suppress[bool] = False
+    """set by `parse_config` for --resume with --eval-episodes or --eval-games on the command
+    line: a finished run evaluates its final state again"""
 
 
 @dataclasses.dataclass
@@ -86,8 +89,11 @@ class EpisodeRunConfig(RunConfig):
 RESUMABLE_OVERRIDES = frozenset(
     {"resume", "progress", "updates_per_chunk", "track", "wandb_project_name", "wandb_entity"}
     | {"eval_episodes", "runs_dir", "capture_video", "eval_games", "record_games"}
-    | {"allow_nonfinite"}
+    | {"allow_nonfinite", "reevaluate"}
 )
+# The size of the final evaluation, in the trainers that have one; given with --resume of a
+# finished run, it asks for that evaluation again.
+EVAL_SIZE_FIELDS = ("eval_episodes", "eval_games")
 
 
 def _flag_value(args: list[str], name: str) -> str | None:
@@ -127,8 +133,9 @@ def parse_config(
     The preset is chosen before parsing, so `--env Breakout --help` shows Breakout's defaults
     and any flag still overrides them. `shell_defaults` are defaults of the command line only,
     below the preset's (e.g. a CPU split, which restarts the process: a Config built in a
-    notebook never asks for it). With `--resume RUN_DIR` the saved config is the default, and a
-    flag that changes something the run computes is refused.
+    notebook never asks for it). With `--resume RUN_DIR` the saved config is the default, a
+    flag that changes something the run computes is refused, and an evaluation size on the
+    command line (EVAL_SIZE_FIELDS) sets `reevaluate`.
     """
     args = list(sys.argv[1:] if args is None else args)
     resume = _flag_value(args, "resume")
@@ -152,6 +159,8 @@ def parse_config(
                     f"--resume: {flag}={new} conflicts with {old} saved in "
                     f"{os.path.join(resume, 'config.json')}; drop the flag or start a new run"
                 )
+        asked = [n for n in EVAL_SIZE_FIELDS if n in names and _flag_value(args, n) is not None]
+        config = dataclasses.replace(config, reevaluate=bool(asked))
     return config
 
 

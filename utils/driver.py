@@ -11,6 +11,9 @@ contract of utils/trainer.py, in four stages that read top to bottom:
    writes metrics.csv, wandb, the progress bar and an atomic checkpoint. With a single chunk
    the whole run is exactly one scan.
 4. `report`: evaluation, video, the learning curve, summary.json (last) and the one-line result.
+
+`reevaluate` runs the final evaluation of a finished run again (--resume with --eval-episodes
+or --eval-games) and replaces only summary.json's evaluation fields.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from utils import checkpoint
+from utils.cli import EVAL_SIZE_FIELDS
 from utils.devices import (
     DEVICE_AXIS,
     process_group,
@@ -655,11 +659,28 @@ def _evaluate_final(plan: RunPlan, state, clock: _Clock) -> np.ndarray | None:
     if trainer.evaluate is None:
         return None
     first_device_state = jax.tree.map(lambda x: x[0], state)
-    eval_keys = jax.vmap(lambda k: jax.random.fold_in(k, 1))(plan.run_keys)
+    eval_keys = _evaluation_keys(plan)
     start = time.perf_counter()
     evaluate = jax.jit(jax.vmap(trainer.evaluate)).lower(first_device_state, eval_keys).compile()
     clock.compile_seconds += time.perf_counter() - start
     return np.asarray(evaluate(first_device_state, eval_keys))
+
+
+def _evaluation_keys(plan: RunPlan) -> np.ndarray:
+    """[runs, 2]: each run's key of the evaluation after training."""
+    return np.asarray(jax.vmap(lambda k: jax.random.fold_in(k, 1))(plan.run_keys))
+
+
+def _evaluation_fields(evaluation: np.ndarray | None, num_runs: int) -> dict:
+    """summary.json's evaluation after training, from the episode returns [runs, episodes]
+    (None: no evaluation, null returns)."""
+    eval_returns = [float("nan")] * num_runs if evaluation is None else evaluation.mean(1).tolist()
+    return {
+        "eval_episodes": 0 if evaluation is None else evaluation.shape[1],
+        "eval_return_per_seed": eval_returns,
+        "eval_return_mean": float(np.mean(eval_returns)),
+        "eval_return_std": float(np.std(eval_returns)),
+    }
 
 
 def _capture_video(plan: RunPlan, state, wandb_sink) -> None:
@@ -687,7 +708,7 @@ def _summary(
     trainer, config = plan.trainer, plan.config
     end_update = trainer.num_updates if divergence is None else divergence.logged_until
     num_seeds, num_runs = config.num_seeds, plan.num_runs
-    eval_returns = [float("nan")] * num_runs if evaluation is None else evaluation.mean(1).tolist()
+    evaluation_fields = _evaluation_fields(evaluation, num_runs)
     final_values = _final_values(columns, trainer.headline_metric, num_seeds, num_runs, end_update)
     metric_names = [n for n in columns if n not in ("update", "env_steps", *plan.run_columns)]
     totals = clock.totals(end_update)
@@ -706,10 +727,7 @@ def _summary(
         "final_per_seed": final_values,
         "final_mean": float(np.nanmean(final_values)),
         "final_std": float(np.nanstd(final_values)),
-        "eval_episodes": 0 if evaluation is None else evaluation.shape[1],
-        "eval_return_per_seed": eval_returns,
-        "eval_return_mean": float(np.mean(eval_returns)),
-        "eval_return_std": float(np.std(eval_returns)),
+        **evaluation_fields,
         "final_metrics_per_seed": _last_reported(columns, metric_names, num_seeds, num_runs),
         "step_unit": trainer.step_unit,
         "steps_per_second": steps_per_second,
@@ -724,7 +742,9 @@ def _summary(
         summary["sweep"] = {
             "parameters": list(plan.overrides[0]),
             "num_configs": len(plan.overrides),
-            "ranking": _sweep_ranking(plan.overrides, final_values, eval_returns),
+            "ranking": _sweep_ranking(
+                plan.overrides, final_values, evaluation_fields["eval_return_per_seed"]
+            ),
         }
     return summary
 
@@ -810,18 +830,86 @@ def report(
     return summary
 
 
+def reevaluate(plan: RunPlan, summary: dict) -> dict:
+    """--resume of a finished run with an evaluation size on the command line: the final
+    evaluation again, of the last checkpoint's state, with that size and the same keys. Only
+    summary.json's evaluation fields change (eval_*, and the sweep ranking's); every training
+    figure (final_*, steps/s, seconds) stays as the training wrote it."""
+    clock = _Clock(wall_start=time.perf_counter())  # apart: the training's seconds stay
+    state, _ = start_or_resume(plan, clock)
+    if plan.trainer.evaluate is not None:
+        fields = _evaluation_fields(_evaluate_final(plan, state, clock), plan.num_runs)
+    else:
+        fields = _chunk_evaluation_fields(plan, state)
+    summary = {**summary, **fields}
+    for entry in summary.get("sweep", {}).get("ranking", []):
+        num_seeds = plan.config.num_seeds
+        of_config = slice(entry["config"] * num_seeds, (entry["config"] + 1) * num_seeds)
+        for name in ("eval_return_per_seed", "eval_metrics_per_seed"):
+            if name in fields:
+                entry[name] = fields[name][of_config]
+        if "eval_return_per_seed" in fields:
+            entry["eval_return_mean"] = float(np.mean(entry["eval_return_per_seed"]))
+    write_json(os.path.join(plan.run_dir, "summary.json"), summary)
+    print(_reevaluation_line(plan, summary))
+    return summary
+
+
+def _eval_size_field(config) -> str:
+    """The config's field that sizes the final evaluation: eval_episodes or eval_games."""
+    return next(name for name in EVAL_SIZE_FIELDS if hasattr(config, name))
+
+
+def _chunk_evaluation_fields(plan: RunPlan, state) -> dict:
+    """The evaluation that ends every chunk (Trainer.chunk_evaluation) of the final state:
+    the evaluation size and "eval_metrics_per_seed", one {name: value} per run."""
+    trainer = plan.trainer
+    keys = np.repeat(_evaluation_keys(plan)[None], plan.local_devices, 0)
+    evaluate = jax.pmap(_over_runs(trainer.chunk_evaluation, plan.num_runs), axis_name=DEVICE_AXIS)
+    metrics = jax.device_get(evaluate(state, keys))
+    per_run = [
+        {name: float(v[0, run]) for name, v in metrics.items() if not name.startswith("record_")}
+        for run in range(plan.num_runs)
+    ]
+    size = _eval_size_field(plan.config)
+    return {size: getattr(plan.config, size), "eval_metrics_per_seed": per_run}
+
+
+def _reevaluation_line(plan: RunPlan, summary: dict) -> str:
+    """The one line of a re-evaluation: its size and its mean over the runs (the return, or
+    the headline metric of a chunk evaluation)."""
+    trainer, size = plan.trainer, _eval_size_field(plan.config)
+    if trainer.evaluate is not None:
+        name, values = "return", summary["eval_return_per_seed"]
+    else:
+        metrics = summary["eval_metrics_per_seed"]
+        name = trainer.headline_metric if trainer.headline_metric in metrics[0] else min(metrics[0])
+        values = [m[name] for m in metrics]
+    values = np.array(values, float)  # null (no value) as NaN
+    return (
+        f"{trainer.algo} {trainer.env_id}: re-evaluated update {trainer.num_updates} with "
+        f"--{size.replace('_', '-')} {getattr(plan.config, size)}: eval {name} "
+        f"{np.mean(values):.3g} ± {np.std(values):.2g} over {len(values)} run(s) -> {plan.run_dir}"
+    )
+
+
 def run_training(config, make_train: Callable, validate: Callable, return_state: bool = False):
     """Plan, start or resume, train in chunks and report (utils/trainer.py has the contract
     `make_train` and `validate` follow). Returns the summary dict (None on the processes other
     than 0 of a multi-process run), and with `return_state` also this process's final training
     state, leaves [local devices, runs, ...]. A run that diverged exits with DIVERGED_EXIT_CODE
-    once it has reported."""
+    once it has reported. --resume of a finished run trains nothing: it says so, or, asked
+    with an evaluation size (`config.reevaluate`), evaluates the final state again."""
     clock = _Clock(wall_start=time.perf_counter())
     plan = plan_runs(config, make_train, validate)
     finished = plan.resume_update == plan.trainer.num_updates
     if finished and os.path.exists(os.path.join(plan.run_dir, "summary.json")):
-        print(f"{plan.trainer.algo} {plan.trainer.env_id}: already complete -> {plan.run_dir}")
         summary = read_json(os.path.join(plan.run_dir, "summary.json"), "--resume")
+        if config.reevaluate and (plan.trainer.evaluate or plan.trainer.chunk_evaluation):
+            with _run_lock(plan.run_dir):
+                summary = reevaluate(plan, summary)
+        else:
+            print(f"{plan.trainer.algo} {plan.trainer.env_id}: already complete -> {plan.run_dir}")
         return (summary, None) if return_state else summary
     with _run_lock(plan.run_dir), checkpoint.stop_signals_interrupt():
         try:

@@ -97,6 +97,10 @@ class Trainer:
     # state; not replay buffers or environments): the driver checks its floating-point leaves
     # after every chunk. None checks none.
     guarded_state: Callable | None = None
+    # (state, key) -> {name: scalar}: the evaluation that ends every chunk of a trainer that
+    # evaluates inside its chunks (evaluate is None; AlphaZero), run alone on the final state
+    # when a finished run is evaluated again (--resume with --eval-games). None: no such one.
+    chunk_evaluation: Callable | None = None
 
     def train(self, key):
         """The whole run as one scan over updates, with no driver: (final state, metrics
