@@ -1,6 +1,7 @@
 """The driver and the trainer contract, specified with a stub trainer that compiles in a blink:
-run directory, seeds and sweeps side by side, resume, checkpoints, wandb, and the contract's
-checks (swept values unreadable to compiled code, the config never mutated)."""
+run directory, seeds and sweeps side by side, resume, checkpoints, wandb, the contract's checks
+(swept values unreadable to compiled code, the config never mutated), the divergence guard,
+files that cannot be written, and the re-evaluation of a finished run."""
 
 import concurrent.futures
 import csv
