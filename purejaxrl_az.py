@@ -976,6 +976,11 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
         def evaluate_fn(state, key):
             return {}
 
+    def evaluate_again(state, key):
+        """The in-loop evaluation of a finished run's state alone (--resume with --eval-games);
+        the driver's key is the same on every device, so each device folds in its index."""
+        return evaluate_fn(state, jax.random.fold_in(key, jax.lax.axis_index(DEVICE_AXIS)))
+
     return Trainer(
         algo="az",
         env_id=game,
@@ -999,6 +1004,9 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
         write_records=functools.partial(write_game_records, env=env, opponent_names=tuple(players)),
         # JAX's rolled CPU form: self-play runs slower unrolled (docs/benchmarks.md)
         unrolled_threefry=False,
+        guarded_metrics=("policy_loss", "value_loss"),
+        guarded_state=lambda state: (state.params, state.batch_stats, state.opt_state),
+        chunk_evaluation=evaluate_again if config.eval_games else None,
     )
 
 

@@ -541,6 +541,8 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
         evaluate=evaluate if config.eval_episodes else None,
         runtime=runtime,
         video_policy=greedy_policy if config.capture_video else None,
+        guarded_metrics=("loss",),  # NaN until learning starts
+        guarded_state=lambda state: (state.params, state.target_params, state.opt_state),
     )
 
 

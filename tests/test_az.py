@@ -477,3 +477,21 @@ def test_eval_games_0_means_no_evaluation(tmp_path):
 
     metrics = jax.eval_shape(jax.vmap(chunk, axis_name=DEVICE_AXIS), jax.random.PRNGKey(0)[None])
     assert "value_loss" in metrics and not any(name.startswith("eval_") for name in metrics)
+    assert trainer.chunk_evaluation is None  # --resume --eval-games 0 has nothing to evaluate
+
+
+def test_the_in_loop_evaluation_runs_alone_to_evaluate_a_finished_run_again(tmp_path):
+    """Traced, not compiled: `chunk_evaluation` of a state gives the eval_* metrics that end
+    every chunk, one value each, which --resume of a finished run with --eval-games computes
+    again."""
+    config = parse_config(Config, PRESETS, tiny_args(tmp_path)[1:], preset_key=resolve_game)
+    trainer = make_train(config)
+
+    def evaluation(key):
+        return trainer.chunk_evaluation(trainer.init(key, trainer.hyperparams), key)
+
+    metrics = jax.eval_shape(
+        jax.vmap(evaluation, axis_name=DEVICE_AXIS), jax.random.PRNGKey(0)[None]
+    )
+    assert {"eval_mcts_score", "eval_random_elo", "eval_optimal_move_rate"} <= set(metrics)
+    assert all(name.startswith("eval_") and v.shape == (1,) for name, v in metrics.items())

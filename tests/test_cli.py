@@ -1,5 +1,7 @@
 """Env aliases, presets and flag parsing."""
 
+import dataclasses
+
 import pytest
 
 from purejaxrl_ppo import PRESETS, Config
@@ -7,6 +9,7 @@ from tests.helpers import run_script
 from utils.cli import parse_config
 from utils.envs import env_family, make_env, resolve_env_id
 from utils.errors import ConfigError
+from utils.logs import write_json
 
 
 @pytest.mark.parametrize(
@@ -65,5 +68,17 @@ def test_help_names_every_flag_and_says_breakout_is_minatar():
     flags += " --update-epochs --gamma --gae-lambda --clip-coef --ent-coef --vf-coef"
     flags += " --max-grad-norm --anneal-lr --track --wandb-project-name --wandb-entity"
     flags += " --num-seeds --num-devices --resume --no-progress --eval-episodes"
+    flags += " --allow-nonfinite"
     for flag in flags.split():
         assert flag in text, flag
+    assert "exits with code 3" in text and "reevaluate" not in text  # set by --resume, not a flag
+
+
+def test_an_evaluation_size_given_with_resume_asks_for_a_new_evaluation(tmp_path):
+    write_json(str(tmp_path / "config.json"), dataclasses.asdict(Config(eval_episodes=4)))
+    resume = ["--resume", str(tmp_path)]
+    assert not parse_config(Config, PRESETS, resume).reevaluate
+    for flag in ("--eval-episodes=4", "--eval_episodes=4"):  # the saved value, asked again
+        config = parse_config(Config, PRESETS, [*resume, flag])
+        assert config.reevaluate and config.eval_episodes == 4
+    assert not parse_config(Config, PRESETS, ["--eval-episodes", "4"]).reevaluate  # a new run

@@ -1,10 +1,12 @@
 """The driver and the trainer contract, specified with a stub trainer that compiles in a blink:
-run directory, seeds and sweeps side by side, resume, checkpoints, wandb, and the contract's
-checks (swept values unreadable to compiled code, the config never mutated)."""
+run directory, seeds and sweeps side by side, resume, checkpoints, wandb, the contract's checks
+(swept values unreadable to compiled code, the config never mutated), the divergence guard,
+files that cannot be written, and the re-evaluation of a finished run."""
 
 import concurrent.futures
 import csv
 import dataclasses
+import errno
 import fcntl
 import json
 import os
@@ -18,9 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.helpers import assert_identical_runs, checkpoint_leaves, metric_table
-from utils import checkpoint, driver
-from utils.cli import RunConfig
+from tests.helpers import assert_identical_runs, checkpoint_leaves, metric_table, run_script
+from utils import checkpoint, driver, logs
+from utils.cli import RunConfig, exit_on_config_error, parse_config
+from utils.devices import device_mean
 from utils.driver import auto_updates_per_chunk, run_training
 from utils.errors import ConfigError
 from utils.trainer import (
@@ -45,6 +48,10 @@ class StubConfig(RunConfig):
     target: float = 1.0
     limit: int = 3  # an int hyperparameter
     negative_rate: bool = False  # the validator's one check
+    eval_episodes: int = 2  # "episodes" of the evaluation after training (0: none)
+    nan_at: int = 0  # x turns NaN at this update, as a diverging run's parameters (0: never)
+    loss_from: int = 1  # the loss is NaN before this update, as DQN's before learning starts
+    ballast: int = 0  # floats of dead weight in the state, for a checkpoint of that size
 
 
 class StubHyperParams(NamedTuple):
@@ -58,22 +65,50 @@ def stub_validate(config, runtime):
         raise ConfigError(f"--rate must be >= 0, got {config.rate}")
 
 
-def make_stub(read_in_chunk: str | None = None, read_in_build: str | None = None):
+def make_stub(
+    read_in_chunk: str | None = None,
+    read_in_build: str | None = None,
+    evaluate_in_chunks: bool = False,
+):
     """The stub's make_train; `read_in_*` names a config field that it wrongly reads inside its
-    compiled chunk or while it is built."""
+    compiled chunk or while it is built. Its evaluation after training gives `eval_episodes`
+    returns, all x; with `evaluate_in_chunks` it has none and evaluates as AlphaZero does, at
+    the end of each chunk (eval_x)."""
 
     def make_train(config, runtime=None):
         if read_in_build:
             getattr(config, read_in_build)
 
         def train_chunk(state, num_updates):
-            def update(x, _):
+            def update(carry, _):
+                x, done = carry
+                done = done + 1
                 rate = getattr(config, read_in_chunk) if read_in_chunk else state["hp"].rate
+                # the loss of the update's starting point, as a trainer's loss is computed
+                # before its gradient step
+                loss = jnp.where(
+                    done >= config.loss_from, jnp.square(x - state["hp"].target), jnp.nan
+                )
                 x = x + rate * (state["hp"].target - x)
-                return x, {"episode_return": x, "loss": jnp.square(x - state["hp"].target)}
+                x = jnp.where(done == config.nan_at, jnp.nan, x)
+                return (x, done), {"episode_return": x, "loss": loss}
 
-            x, metrics = jax.lax.scan(update, state["x"], None, num_updates)
-            return {**state, "x": x}, metrics
+            (x, done), metrics = jax.lax.scan(
+                update, (state["x"], state["updates"]), None, num_updates
+            )
+            state = {**state, "x": x, "updates": done}
+            if evaluate_in_chunks:
+                metrics["eval_x"] = jnp.full(num_updates, jnp.nan).at[-1].set(evaluate_x(state))
+            return state, metrics
+
+        def evaluate_x(state, key=None):
+            return device_mean(state["x"])
+
+        def init(key, hp):
+            state = {"x": jax.random.uniform(key), "hp": hp, "updates": jnp.int32(0)}
+            if config.ballast:  # random, so that no compression makes it small
+                state["ballast"] = jax.random.uniform(key, (config.ballast,))
+            return state
 
         return Trainer(
             algo="stub",
@@ -81,10 +116,17 @@ def make_stub(read_in_chunk: str | None = None, read_in_build: str | None = None
             num_updates=config.num_updates,
             steps_per_update=10,
             hyperparams=hyperparams_of(StubHyperParams, config),
-            init=lambda key, hp: {"x": jax.random.uniform(key), "hp": hp},
+            init=init,
             train_chunk=train_chunk,
-            evaluate=lambda state, key: jnp.full(2, state["x"]),  # two "episodes"
+            evaluate=None
+            if evaluate_in_chunks or not config.eval_episodes
+            else lambda state, key: jnp.full(config.eval_episodes, state["x"]),
             runtime=runtime or Runtime(),
+            guarded_metrics=("loss",),
+            guarded_state=lambda state: state["x"],
+            chunk_evaluation=(lambda state, key: {"eval_x": evaluate_x(state)})
+            if evaluate_in_chunks
+            else None,
         )
 
     return make_train
@@ -290,6 +332,8 @@ def test_a_metric_must_have_one_value_per_update():
     check_chunk_metrics({"loss": np.zeros((2, 5)), "record_moves": np.zeros((2, 9))}, 5)
     with pytest.raises(TrainerContractError, match=r"'loss' has shape \(\)"):
         check_chunk_metrics({"loss": np.zeros(2)}, 5)
+    with pytest.raises(TrainerContractError, match=r"guarded_metrics \['los'\] are not metrics"):
+        check_chunk_metrics({"loss": np.zeros((2, 5))}, 5, guarded=("los",))
 
 
 def test_train_needs_no_driver_and_no_device_axis():
@@ -425,3 +469,304 @@ def test_sweep_ranking_orders_configurations_by_mean_final_value_nan_last():
     assert ranking[0]["final_mean"] == 2.5 and ranking[0]["final_std"] == 0.0
     assert ranking[1]["final_std"] == 1.0 and ranking[1]["hyperparams"] == {"rate": 0.1}
     assert np.isnan(ranking[2]["final_mean"])
+
+
+# ---------------------------------------------------------------------------------------------
+# The divergence guard
+# ---------------------------------------------------------------------------------------------
+
+
+def strict_json(path):
+    """A JSON file as strict readers (jq, JavaScript) read it: NaN or Infinity fails."""
+
+    def refuse(constant):
+        raise AssertionError(f"{path} holds {constant}, which strict JSON readers reject")
+
+    return json.loads(Path(path).read_text(), parse_constant=refuse)
+
+
+def only_run_dir(runs_dir: Path) -> Path:
+    (run_dir,) = runs_dir.iterdir()
+    return run_dir
+
+
+@pytest.mark.parametrize(
+    ("nan_at", "metric", "described"),
+    [
+        # x turns NaN at update 5; the loss of update 6, computed from x before its step, first
+        (5, "loss", "loss is nan at update 6"),
+        # x turns NaN at the chunk's last update, whose loss is still finite
+        (6, "parameters", "the parameters are not finite after update 6"),
+    ],
+)
+def test_a_diverged_run_stops_after_its_chunk_and_keeps_the_last_finite_checkpoint(
+    tmp_path, capsys, nan_at, metric, described
+):
+    with pytest.raises(SystemExit) as exit_info:
+        train(tmp_path, updates_per_chunk=2, nan_at=nan_at)
+    assert exit_info.value.code == driver.DIVERGED_EXIT_CODE == 3
+    run_dir = only_run_dir(tmp_path / "runs")
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"diverged: {described}; kept the checkpoint of update 4 -> {run_dir}"
+    ]
+    assert os.listdir(run_dir / "checkpoints") == ["update_00000004"]
+    rows = read_rows(run_dir)  # the diverged chunk's rows show the NaN
+    assert [int(r["update"]) for r in rows] == list(range(1, 7))
+    assert float(rows[-1]["episode_return"]) != float(rows[-1]["episode_return"])
+    summary = strict_json(run_dir / "summary.json")
+    assert summary["diverged"] == {"metric": metric, "update": 6, "seed": 1}
+    assert summary["eval_episodes"] == 0  # a diverged state is not evaluated
+
+    # the run resumes from its last finite checkpoint; --allow-nonfinite trains through
+    resumed = train(tmp_path, resume=str(run_dir), allow_nonfinite=True)
+    assert resumed["resumed_from_update"] == 4 and resumed["diverged"] is None
+    assert checkpoint.latest_update(str(run_dir / "checkpoints")) == 8
+
+
+def test_allow_nonfinite_trains_to_the_end(tmp_path):
+    summary = train(tmp_path, updates_per_chunk=2, nan_at=5, allow_nonfinite=True)
+    assert summary["diverged"] is None
+    assert checkpoint.latest_update(os.path.join(summary["run_dir"], "checkpoints")) == 8
+    assert [r["loss"] for r in read_rows(summary["run_dir"])][5:] == ["nan"] * 3
+
+
+def test_a_loss_not_reported_yet_is_not_divergence(tmp_path):
+    """DQN's loss is NaN until learning starts: a chunk that is NaN from its start, with finite
+    parameters, is a run that has nothing to report yet."""
+    summary = train(tmp_path, updates_per_chunk=2, loss_from=4)
+    assert summary["diverged"] is None
+    assert [r["loss"] == "nan" for r in read_rows(summary["run_dir"])][:4] == [True] * 3 + [False]
+
+
+# ---------------------------------------------------------------------------------------------
+# Files that cannot be written: one sentence, exit code 1, the last checkpoint kept
+# ---------------------------------------------------------------------------------------------
+
+
+def disk_full(*_, **__):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # a write or flush: no file name
+
+
+def failing_open(name: str, on_call: int = 1):
+    """`open` for utils/logs.py whose `on_call`-th opening of a file called `name` fails as a
+    full disk does."""
+    calls = []
+
+    def fake_open(path, *args, **kwargs):
+        if os.path.basename(path) == name:
+            calls.append(path)
+            if len(calls) == on_call:
+                disk_full()
+        return open(path, *args, **kwargs)
+
+    return fake_open
+
+
+def tensorstore_disk_full_on_call(on_call: int):
+    """Orbax's save, whose `on_call`-th call fails as tensorstore reports a full disk."""
+    real, calls = checkpoint.ocp.Checkpointer.save, []
+
+    def save(self, *args, **kwargs):
+        calls.append(None)
+        if len(calls) == on_call:
+            raise ValueError(
+                'RESOURCE_EXHAUSTED: Error writing "leaves.00002/0.0.0" in OCDBT database: Failed '
+                "to write 80158 bytes to file 15: No space left on device [os_error_code='28']"
+            )
+        return real(self, *args, **kwargs)
+
+    return save
+
+
+@pytest.mark.parametrize(
+    ("path", "kept"),
+    [
+        ("metrics.csv", 4),  # the third chunk's rows
+        ("checkpoints/update_00000006", 4),
+        ("summary.json", 8),
+        ("learning_curve.png", 8),
+    ],
+)
+def test_a_failed_write_is_one_sentence_exit_1_and_the_run_resumes(
+    tmp_path, monkeypatch, capsys, path, kept
+):
+    with monkeypatch.context() as patch:
+        if path == "metrics.csv":
+            patch.setattr(logs, "open", failing_open("metrics.csv", 3), raising=False)
+        elif path == "summary.json":
+            patch.setattr(logs, "open", failing_open("summary.json.tmp"), raising=False)
+        elif path == "learning_curve.png":
+            patch.setattr(driver, "plot_learning_curve", disk_full)
+        else:
+            patch.setattr(checkpoint.ocp.Checkpointer, "save", tensorstore_disk_full_on_call(3))
+        with pytest.raises(SystemExit) as exit_info, exit_on_config_error():
+            train(tmp_path, updates_per_chunk=2)
+    assert exit_info.value.code == 1
+    run_dir = only_run_dir(tmp_path / "runs")
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: could not write {run_dir / path}: No space left on device; the checkpoint "
+        f"of update {kept} is intact: --resume {run_dir} continues from it"
+    ]
+    assert checkpoint.latest_update(str(run_dir / "checkpoints")) == kept
+    resumed = train(tmp_path, resume=str(run_dir))
+    assert resumed["resumed_from_update"] == kept
+    uninterrupted = train(tmp_path / "uninterrupted", updates_per_chunk=2)["run_dir"]
+    np.testing.assert_array_equal(metric_table(run_dir, 0), metric_table(uninterrupted, 0))
+
+
+# A stub run whose files may not grow past 64 KiB (setrlimit, as a full disk does to a
+# checkpoint of 200 KB, but unprivileged): its first checkpoint fails inside tensorstore.
+CHECKPOINT_TOO_LARGE = """
+import resource, signal, sys
+from tests.test_driver import StubConfig, make_stub, stub_validate
+from utils.cli import exit_on_config_error
+from utils.driver import run_training
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+resource.setrlimit(resource.RLIMIT_FSIZE, (2**16, 2**16))
+with exit_on_config_error():
+    config = StubConfig(runs_dir=sys.argv[1], progress=False, updates_per_chunk=4, ballast=50_000)
+    run_training(config, make_stub(), stub_validate)
+"""
+
+
+def test_a_checkpoint_that_cannot_be_written_is_one_sentence_not_orbax_tracebacks(tmp_path):
+    """Orbax's threads log the failure, and tensorstore's callbacks report 'Event loop is
+    closed' many times over; the driver reports it once."""
+    env = {"JAX_COMPILATION_CACHE_DIR": ""}  # the cache's files would hit the limit too
+    result = run_script("-c", CHECKPOINT_TOO_LARGE, str(tmp_path / "runs"), env_extra=env)
+    assert result.returncode == 1, result.stderr[-3000:]
+    run_dir = only_run_dir(tmp_path / "runs")
+    assert result.stderr.strip().splitlines() == [
+        f"error: could not write {run_dir}/checkpoints/update_00000004: File too large; "
+        f"{run_dir} has no checkpoint yet: --resume {run_dir} starts it over"
+    ]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_a_run_directory_made_read_only_mid_run(tmp_path, monkeypatch, capsys):
+    def read_only_after_update_4(self, done, *_):
+        if done == 4:
+            for path in (tmp_path / "runs").rglob("*"):
+                path.chmod(0o555 if path.is_dir() else 0o444)
+
+    monkeypatch.setattr(driver._Progress, "update", read_only_after_update_4)
+    with pytest.raises(SystemExit) as exit_info, exit_on_config_error():
+        train(tmp_path, updates_per_chunk=2)
+    assert exit_info.value.code == 1
+    run_dir = only_run_dir(tmp_path / "runs")
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"error: could not write {run_dir}/")
+    assert line.endswith(
+        f"Permission denied; the checkpoint of update 4 is intact: --resume {run_dir} continues from it"
+    )
+    for path in (tmp_path / "runs").rglob("*"):
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    monkeypatch.undo()
+    assert train(tmp_path, resume=str(run_dir))["resumed_from_update"] == 4
+
+
+def test_runs_dir_that_cannot_hold_a_run_is_refused_before_anything_is_written(
+    tmp_path, monkeypatch
+):
+    def run(runs_dir):
+        config = StubConfig(runs_dir=str(runs_dir), progress=False)
+        return run_training(config, make_stub(), stub_validate)
+
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match=r"^--runs-dir '.*/file' is a file, not a directory$"):
+        run(tmp_path / "file")
+    with pytest.raises(ConfigError, match=r"^--runs-dir '.*/file/runs': Not a directory$"):
+        run(tmp_path / "file" / "runs")
+    (tmp_path / "runs").mkdir()
+    with monkeypatch.context() as patch:  # the disk fills between mkdir and config.json
+        patch.setattr(logs, "open", disk_full, raising=False)
+        with pytest.raises(
+            ConfigError, match=r"^--runs-dir .*: could not write .*config\.json: No space left"
+        ):
+            run(tmp_path / "runs")
+    assert not any((tmp_path / "runs").iterdir())  # no half-made run directory is left
+    if os.geteuid() != 0:  # root writes into read-only directories
+        (tmp_path / "runs").chmod(0o555)
+        with pytest.raises(ConfigError, match=r"^--runs-dir '.*/runs': Permission denied$"):
+            run(tmp_path / "runs")
+        assert not any((tmp_path / "runs").iterdir())
+
+
+def test_resume_of_a_run_directory_it_cannot_write_is_refused(tmp_path):
+    run_dir = Path(train(tmp_path, updates_per_chunk=2)["run_dir"])
+    (run_dir / "summary.json").unlink()
+    (run_dir / ".lock").mkdir()  # as root, a directory is what open(..., "w") cannot write
+    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
+    with pytest.raises(ConfigError, match=r"^cannot write .*\.lock: Is a directory$"):
+        train(tmp_path, resume=str(run_dir))
+    assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before
+
+
+# ---------------------------------------------------------------------------------------------
+# Re-evaluating a finished run
+# ---------------------------------------------------------------------------------------------
+
+
+def without_evaluation(summary: dict) -> dict:
+    """The summary without its evaluation (eval_* keys, the sweep ranking's too): the
+    training's figures, seconds included."""
+
+    def training(fields):
+        return {k: v for k, v in fields.items() if not k.startswith("eval_")}
+
+    rest = training(summary)
+    if "sweep" in rest:
+        rest["sweep"] = {
+            **rest["sweep"],
+            "ranking": [training(r) for r in rest["sweep"]["ranking"]],
+        }
+    return rest
+
+
+def with_wrong_eval_returns(summary: dict) -> dict:
+    """A copy whose eval_return_* numbers are all 0: a re-evaluation must compute its own."""
+    summary = json.loads(json.dumps(summary))
+    for fields in [summary, *summary.get("sweep", {}).get("ranking", [])]:
+        for key, value in fields.items():
+            if key.startswith("eval_return_"):
+                fields[key] = [0.0] * len(value) if isinstance(value, list) else 0.0
+    return summary
+
+
+@pytest.mark.parametrize("evaluate_in_chunks", [False, True], ids=["after-training", "in-chunks"])
+def test_resume_of_a_finished_run_with_an_evaluation_size_evaluates_it_again(
+    tmp_path, capsys, evaluate_in_chunks
+):
+    make_train = make_stub(evaluate_in_chunks=evaluate_in_chunks)
+    run_dir = Path(train(tmp_path, make_train, num_seeds=2, sweep=("rate=0.1,0.5",))["run_dir"])
+    trained = json.loads((run_dir / "summary.json").read_text())
+    damaged = with_wrong_eval_returns(trained)
+    (run_dir / "summary.json").write_text(json.dumps(damaged))
+    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.name != "summary.json"}
+    capsys.readouterr()
+
+    args = ["--resume", str(run_dir), "--eval-episodes", "3"]
+    config = parse_config(StubConfig, {}, args, preset_key=str)
+    summary = run_training(config, make_train, stub_validate)
+    (line,) = capsys.readouterr().out.strip().splitlines()
+    assert line.startswith("stub stub: re-evaluated update 8 with --eval-episodes 3: ")
+    assert line.endswith(f"-> {run_dir}")
+    assert summary == json.loads((run_dir / "summary.json").read_text())
+    assert without_evaluation(summary) == without_evaluation(trained)
+    assert summary["eval_episodes"] == 3
+    x = [m["episode_return"] for m in trained["final_metrics_per_seed"]]  # the final states'
+    ranking = summary["sweep"]["ranking"]
+    of_config = [slice(2 * r["config"], 2 * r["config"] + 2) for r in ranking]
+    if evaluate_in_chunks:
+        assert summary["eval_metrics_per_seed"] == [{"eval_x": v} for v in x]
+        for r, runs in zip(ranking, of_config, strict=True):
+            assert r["eval_metrics_per_seed"] == [{"eval_x": v} for v in x[runs]]
+    else:
+        assert summary["eval_return_per_seed"] == pytest.approx(x)
+        assert summary["eval_return_mean"] == pytest.approx(np.mean(x))
+        for r, runs in zip(ranking, of_config, strict=True):
+            assert r["eval_return_per_seed"] == pytest.approx(x[runs])
+            assert r["eval_return_mean"] == pytest.approx(np.mean(x[runs]))
+    after = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.name != "summary.json"}
+    assert after == before

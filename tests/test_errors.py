@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import pytest
 
 from purejaxrl_ppo import PRESETS, Config, make_train, validate
 from tests.helpers import REPO, run_script
-from utils.cli import parse_config
+from utils.cli import exit_on_config_error, parse_config
 from utils.devices import xla_flags_with_cpu_devices
 from utils.driver import run_training
 from utils.errors import ConfigError
@@ -138,3 +139,28 @@ def test_sigterm_saves_a_checkpoint_and_the_run_resumes(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     with open(os.path.join(run_dir, "summary.json")) as f:
         assert json.load(f)["resumed_from_update"] > 0
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        (
+            '{"env": "CartPole", "num_en',
+            r"config\.json is not valid JSON \(Unterminated string .*\)$",
+        ),
+        ("not json", r"config\.json is not valid JSON"),
+        ("[1, 2]", r"config\.json holds a JSON list, not an object"),
+        ("\udcff", r"config\.json is not valid JSON"),  # bytes that are not UTF-8
+    ],
+)
+def test_resume_of_a_damaged_config_json_is_one_sentence_exit_2(tmp_path, capsys, text, match):
+    (tmp_path / "config.json").write_bytes(text.encode("utf-8", "surrogateescape"))
+    before = (tmp_path / "config.json").stat().st_mtime_ns
+    with pytest.raises(SystemExit) as exit_info, exit_on_config_error():
+        parse_config(Config, PRESETS, ["--resume", str(tmp_path)])
+    assert exit_info.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"error: --resume: {tmp_path / 'config.json'} ")
+    assert re.search(match, line), line
+    assert os.listdir(tmp_path) == ["config.json"]
+    assert (tmp_path / "config.json").stat().st_mtime_ns == before

@@ -1,7 +1,10 @@
 """PPO: GAE, truncation bootstrapping, the PPO loss and the action distributions against plain
-NumPy; and the trainer without the driver, as PureJaxRL's users call it."""
+NumPy; the trainer without the driver, as PureJaxRL's users call it; and through the driver,
+what its guards and re-evaluation do to a real training state."""
 
 import dataclasses
+import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +14,9 @@ from scipy import stats
 
 import purejaxrl_ppo
 from purejaxrl_ppo import (
+    PRESETS,
     Categorical,
+    Config,
     DiagGaussian,
     HyperParams,
     compute_gae,
@@ -19,7 +24,9 @@ from purejaxrl_ppo import (
     ppo_loss,
 )
 from tests.golden_runs import GOLDEN_DIR, read_columns
+from utils.cli import parse_config
 from utils.devices import DEVICE_AXIS
+from utils.driver import run_training
 from utils.trainer import Runtime, TrainerContractError
 
 
@@ -197,3 +204,38 @@ def test_max_grad_norm_0_turns_clipping_off():
         return max(jax.tree.leaves(moved))
 
     assert params_moved(0.0) > 10 * params_moved(1e-6) > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Through the driver
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_diverging_run_stops_after_its_first_chunk_with_one_line_and_exit_code_3(
+    tiny_ppo_args, capsys
+):
+    """A value-loss weight of 1e38 overflows the first gradient step: the parameters are NaN
+    from then on, and so is every loss from update 1. Nothing finite is left to checkpoint."""
+    config = parse_config(Config, PRESETS, [*tiny_ppo_args, "--vf-coef", "1e38"])
+    with pytest.raises(SystemExit) as exit_info:
+        run_training(config, purejaxrl_ppo.make_train, purejaxrl_ppo.validate)
+    assert exit_info.value.code == 3
+    (run_dir,) = Path(tiny_ppo_args[-1]).iterdir()
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"diverged: policy_loss is nan at update 1; no checkpoint before it -> {run_dir}"
+    ]
+    assert not (run_dir / "checkpoints").exists()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["diverged"] == {"metric": "policy_loss", "update": 1, "seed": 1}
+    assert len((run_dir / "metrics.csv").read_text().splitlines()) == 1 + 2  # the first chunk
+
+
+def test_a_finished_run_is_evaluated_again_when_asked(tiny_ppo_args, capsys):
+    """--resume of a finished run with --eval-episodes: the same evaluation again, of the
+    checkpoint's state with the same keys, gives the same summary, number for number."""
+    make_train, validate = purejaxrl_ppo.make_train, purejaxrl_ppo.validate
+    trained = run_training(parse_config(Config, PRESETS, tiny_ppo_args), make_train, validate)
+    args = ["--resume", trained["run_dir"], "--eval-episodes", "2"]
+    again = run_training(parse_config(Config, PRESETS, args), make_train, validate)
+    assert again == trained
+    assert "re-evaluated update 8 with --eval-episodes 2: eval return" in capsys.readouterr().out

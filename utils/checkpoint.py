@@ -9,10 +9,12 @@ Ctrl-C or SIGTERM during a write is held back until the write has finished.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import shutil
 import signal
+import sys
 
 import jax
 import numpy as np
@@ -95,11 +97,58 @@ def save(directory: str, update: int, state, meta: dict) -> str:
     path = os.path.join(os.path.abspath(directory), f"update_{update:08d}")
     with defer_interrupts():
         if not os.path.exists(path):
-            _checkpointer().save(path, tree)
+            with _failure_as_one_os_error(path):
+                _checkpointer().save(path, tree)
         for _, name in _checkpoints(directory):
             if name != os.path.basename(path):
                 shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
     return path
+
+
+# tensorstore reports a failed write (a full disk, a file size limit) as a ValueError that ends
+# with the OS error's code
+_OS_ERROR_CODE = re.compile(r"\[os_error_code='(\d+)'\]")
+
+
+@contextlib.contextmanager
+def _failure_as_one_os_error(path: str):
+    """Orbax's write of the checkpoint `path`, whose failure is one OSError naming it. Orbax's
+    worker threads log the failure with its traceback, and tensorstore's callbacks then report
+    "Event loop is closed" into loops already gone, many times over, until the process ends:
+    their log records are held and dropped if the write fails (emitted if it succeeds), and
+    those reports are dropped from then on."""
+    absl_logger, held = logging.getLogger("absl"), []
+
+    def hold(record):
+        held.append(record)
+        return False
+
+    absl_logger.addFilter(hold)
+    previous_hook = sys.unraisablehook
+    sys.unraisablehook = _dropping_closed_loop_reports(previous_hook)
+    try:
+        yield
+    except ValueError as error:
+        code = _OS_ERROR_CODE.search(str(error))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), path) from None
+    finally:
+        absl_logger.removeFilter(hold)
+    sys.unraisablehook = previous_hook  # the write succeeded
+    for record in held:
+        absl_logger.handle(record)
+
+
+def _dropping_closed_loop_reports(hook):
+    """`hook` (a sys.unraisablehook) for every report but tensorstore's closed event loops."""
+
+    def unraisable_hook(unraisable):
+        error = unraisable.exc_value
+        if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
+            hook(unraisable)
+
+    return unraisable_hook
 
 
 def _checkpointer() -> ocp.Checkpointer:

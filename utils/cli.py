@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -13,7 +12,8 @@ from collections.abc import Callable
 import tyro
 
 from utils.envs import env_family, resolve_env_id
-from utils.errors import ConfigError
+from utils.errors import ConfigError, OutputError
+from utils.logs import read_json
 
 
 @dataclasses.dataclass
@@ -66,6 +66,13 @@ class RunConfig:
     """folder that holds one directory per run"""
     resume: str | None = None
     """continue the run in this run directory from its latest checkpoint"""
+    allow_nonfinite: bool = False
+    """train on when a loss or a parameter turns NaN or inf (to study divergence). By default
+    such a run stops after that chunk, keeps its last finite checkpoint, marks summary.json
+    "diverged" and exits with code 3"""
+    reevaluate: tyro.conf.Suppress[bool] = False
+    """set by `parse_config` for --resume with --eval-episodes or --eval-games on the command
+    line: a finished run evaluates its final state again"""
 
 
 @dataclasses.dataclass
@@ -93,7 +100,11 @@ RESUMABLE_OVERRIDES = frozenset(
         "wandb_entity",
     }
     | {"eval_episodes", "runs_dir", "capture_video", "eval_games", "record_games"}
+    | {"allow_nonfinite", "reevaluate"}
 )
+# The size of the final evaluation, in the trainers that have one; given with --resume of a
+# finished run, it asks for that evaluation again.
+EVAL_SIZE_FIELDS = ("eval_episodes", "eval_games")
 
 
 def _flag_value(args: list[str], name: str) -> str | None:
@@ -113,8 +124,7 @@ def load_saved_config(run_dir: str) -> dict:
         raise ConfigError(f"--resume: run directory {run_dir!r} does not exist")
     if not os.path.isfile(path):
         raise ConfigError(f"--resume: {run_dir!r} has no config.json, so it is not a run directory")
-    with open(path) as f:
-        return json.load(f)
+    return read_json(path, "--resume")
 
 
 def gymnax_preset_key(env: str) -> str:
@@ -134,8 +144,9 @@ def parse_config(
     The preset is chosen before parsing, so `--env Breakout --help` shows Breakout's defaults
     and any flag still overrides them. `shell_defaults` are defaults of the command line only,
     below the preset's (e.g. a CPU split, which restarts the process: a Config built in a
-    notebook never asks for it). With `--resume RUN_DIR` the saved config is the default, and a
-    flag that changes something the run computes is refused.
+    notebook never asks for it). With `--resume RUN_DIR` the saved config is the default, a
+    flag that changes something the run computes is refused, and an evaluation size on the
+    command line (EVAL_SIZE_FIELDS) sets `reevaluate`.
     """
     args = list(sys.argv[1:] if args is None else args)
     resume = _flag_value(args, "resume")
@@ -159,6 +170,8 @@ def parse_config(
                     f"--resume: {flag}={new} conflicts with {old} saved in "
                     f"{os.path.join(resume, 'config.json')}; drop the flag or start a new run"
                 )
+        asked = [n for n in EVAL_SIZE_FIELDS if n in names and _flag_value(args, n) is not None]
+        config = dataclasses.replace(config, reevaluate=bool(asked))
     return config
 
 
@@ -185,13 +198,17 @@ def require_in(config, name: str, low: float, high: float = math.inf, *, above_l
 
 @contextlib.contextmanager
 def exit_on_config_error():
-    """Turn a ConfigError into one line on stderr and exit code 2, and a Ctrl-C before the run
-    has started (the driver handles the ones after) into one line and exit code 130."""
+    """Turn a ConfigError into one line on stderr and exit code 2, an OutputError (a file of
+    the run that could not be written) into one line and exit code 1, and a Ctrl-C before the
+    run has started (the driver handles the ones after) into one line and exit code 130."""
     try:
         yield
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
+    except OutputError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(1)
     except KeyboardInterrupt:
         print("\ninterrupted before the run started", file=sys.stderr)
         sys.exit(130)

@@ -10,7 +10,10 @@ contract of utils/trainer.py, in four stages that read top to bottom:
    devices on the outer axis, runs on the inner one. Between chunks, and only there, the host
    writes metrics.csv, wandb, the progress bar and an atomic checkpoint. With a single chunk
    the whole run is exactly one scan.
-4. `report`: evaluation, video, summary.json, the learning curve and the one-line result.
+4. `report`: evaluation, video, the learning curve, summary.json (last) and the one-line result.
+
+`reevaluate` runs the final evaluation of a finished run again (--resume with --eval-episodes
+or --eval-games) and replaces only summary.json's evaluation fields.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ import dataclasses
 import fcntl
 import functools
 import itertools
-import json
 import math
 import os
 import shutil
@@ -30,10 +32,12 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
 from utils import checkpoint
+from utils.cli import EVAL_SIZE_FIELDS
 from utils.devices import (
     DEVICE_AXIS,
     process_group,
@@ -42,8 +46,15 @@ from utils.devices import (
     unroll_threefry_on_cpu,
     use_compile_cache,
 )
-from utils.errors import ConfigError
-from utils.logs import MetricsCsv, WandbSink, read_metrics_csv, write_json
+from utils.errors import ConfigError, OutputError
+from utils.logs import (
+    MetricsCsv,
+    WandbSink,
+    naming_the_file,
+    read_json,
+    read_metrics_csv,
+    write_json,
+)
 from utils.plotting import plot_learning_curve
 from utils.sweep import config_label, num_configs, sweep_configs
 from utils.trainer import (
@@ -56,6 +67,8 @@ from utils.trainer import (
 from utils.video import write_episode_gif
 
 CHUNKS_PER_RUN = 25  # automatic chunking aims at about this many progress/checkpoint points
+# a run whose losses or parameters turned NaN or inf exits with this (--allow-nonfinite)
+DIVERGED_EXIT_CODE = 3
 # every process of a multi-process run meets here once process 0 has written its report
 _REPORTED_BARRIER = "purejaxrl run reported"
 
@@ -125,8 +138,11 @@ def check_run_config(config) -> None:
 
 def _new_run_dir(config, trainer: Trainer) -> str:
     """A fresh run directory with config.json. Created atomically: two launches in the same
-    second (a parallel sweep) get a name each, with a suffix."""
+    second (a parallel sweep) get a name each, with a suffix. A runs dir that cannot hold it is
+    a ConfigError, and leaves nothing behind."""
     name = f"{trainer.env_id}__{trainer.algo}__{config.seed}__{time.strftime('%Y%m%d-%H%M%S')}"
+    if os.path.isfile(config.runs_dir):
+        raise ConfigError(f"--runs-dir {config.runs_dir!r} is a file, not a directory")
     try:
         os.makedirs(config.runs_dir, exist_ok=True)
     except OSError as error:
@@ -140,9 +156,17 @@ def _new_run_dir(config, trainer: Trainer) -> str:
             continue
         except OSError as error:
             raise ConfigError(f"--runs-dir {config.runs_dir!r}: {error.strerror}") from None
-    write_json(os.path.join(run_dir, "config.json"), dataclasses.asdict(config))
-    # what made the run, so that --resume can refuse another trainer's directory
-    write_json(os.path.join(run_dir, "run.json"), {"algo": trainer.algo, "env_id": trainer.env_id})
+    try:
+        write_json(os.path.join(run_dir, "config.json"), dataclasses.asdict(config))
+        # what made the run, so that --resume can refuse another trainer's directory
+        write_json(
+            os.path.join(run_dir, "run.json"), {"algo": trainer.algo, "env_id": trainer.env_id}
+        )
+    except OSError as error:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        raise ConfigError(
+            f"--runs-dir {config.runs_dir!r}: could not write {error.filename}: {error.strerror}"
+        ) from None
     return run_dir
 
 
@@ -151,8 +175,8 @@ def _check_resumable(config, trainer: Trainer) -> int | None:
     another trainer's directory."""
     saved_algo = trainer.algo  # run directories from before run.json existed: unchecked
     if os.path.exists(os.path.join(config.resume, "run.json")):
-        with open(os.path.join(config.resume, "run.json")) as f:
-            saved_algo = json.load(f).get("algo", trainer.algo)
+        saved = read_json(os.path.join(config.resume, "run.json"), "--resume")
+        saved_algo = saved.get("algo", trainer.algo)
     if saved_algo != trainer.algo:
         raise ConfigError(
             f"--resume: {config.resume!r} is a {saved_algo} run, not a {trainer.algo} one"
@@ -163,21 +187,48 @@ def _check_resumable(config, trainer: Trainer) -> int | None:
 @contextlib.contextmanager
 def _run_lock(run_dir: str | None):
     """Holds RUN_DIR/.lock for the run's lifetime: a second process on the same run directory
-    (two --resume at once) gets one sentence instead of racing the first one's files."""
+    (two --resume at once) gets one sentence instead of racing the first one's files. A file
+    of the run that cannot be written (a full disk, a read-only directory) becomes an
+    OutputError: one sentence with the file, the error and how to resume."""
     if run_dir is None:
         yield
         return
     path = os.path.join(run_dir, ".lock")
-    with open(path, "w") as lock:
+    with _open_to_write(path) as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise ConfigError(f"{run_dir!r} is in use by another training process") from None
         try:
             yield
+        except OSError as error:
+            raise OutputError(_failed_write(run_dir, error)) from None
         finally:
-            with contextlib.suppress(FileNotFoundError):  # an interrupted new run removes it all
+            # gone when an interrupted new run removed it all; stays where nothing can be written
+            with contextlib.suppress(OSError):
                 os.unlink(path)
+
+
+def _open_to_write(path: str):
+    """`open(path, "w")`, or a ConfigError: the run directory cannot be written."""
+    try:
+        return open(path, "w")
+    except OSError as error:
+        raise ConfigError(f"cannot write {path}: {error.strerror}") from None
+
+
+def _failed_write(run_dir: str, error: OSError) -> str:
+    """The sentence for a failed write: the file, the error, and what --resume does next."""
+    failed = f"could not write {error.filename}: {error.strerror or error}"
+    if error.filename is None:
+        failed = f"a write failed: {error.strerror or error}"
+    update = checkpoint.latest_update(os.path.join(run_dir, "checkpoints"))
+    if update is None:
+        return f"{failed}; {run_dir} has no checkpoint yet: --resume {run_dir} starts it over"
+    return (
+        f"{failed}; the checkpoint of update {update} is intact: --resume {run_dir} continues "
+        "from it"
+    )
 
 
 class _Progress:
@@ -463,16 +514,80 @@ class _ChunkRunner:
         state, metrics = self.compiled[num_updates](state)
         metrics = {k: np.asarray(v[0]) for k, v in jax.device_get(metrics).items()}
         self.clock.train_seconds += time.perf_counter() - start
-        check_chunk_metrics(metrics, num_updates)
+        check_chunk_metrics(metrics, num_updates, self.plan.trainer.guarded_metrics)
         return state, metrics
+
+
+@dataclasses.dataclass(frozen=True)
+class Divergence:
+    """Where the first run diverged: the first update of a guarded metric's non-finite
+    stretch or, where only the guarded state is not finite, the chunk's last update."""
+
+    metric: str  # a guarded metric, or "parameters"
+    value: str  # the metric's value there: "nan", "inf" or "-inf"
+    update: int
+    run: int
+    logged_until: int  # the diverged chunk's last update: metrics.csv holds its rows
+
+    def described(self) -> str:
+        if self.metric == "parameters":
+            return f"the parameters are not finite after update {self.update}"
+        return f"{self.metric} is {self.value} at update {self.update}"
+
+
+class _DivergenceGuard:
+    """After each chunk, on the host: where the first run diverged, or None. A run has diverged
+    when a floating-point leaf of its guarded state (parameters, optimiser state) is NaN or inf
+    at the chunk's end, or when a guarded metric (a loss) is NaN or inf from some update to the
+    chunk's end after a finite value: a diverged run does not recover. A guarded metric that is
+    NaN from the chunk's start while the state is finite has nothing to report yet (DQN's loss
+    before learning starts). The state's check is one small compiled reduction per chunk, with
+    one boolean per device and run for the host."""
+
+    def __init__(self, plan: RunPlan):
+        self.plan, self.state_finite = plan, None
+        if plan.trainer.guarded_state is not None:
+            finite = _over_runs(self._finite, plan.num_runs)
+            self.state_finite = jax.pmap(finite, axis_name=DEVICE_AXIS)
+
+    def _finite(self, state):
+        leaves = jax.tree.leaves(self.plan.trainer.guarded_state(state))
+        floats = [x for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)]
+        return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in floats or [jnp.zeros(())]]))
+
+    def __call__(self, state, metrics: dict, first_update: int) -> Divergence | None:
+        names = self.plan.trainer.guarded_metrics
+        last_update = first_update + next(iter(metrics.values())).shape[1] - 1
+        finite_state = np.ones(self.plan.num_runs, bool)
+        if self.state_finite is not None:
+            finite_state = jax.device_get(self.state_finite(state))[0]
+        # (update, run, metric's order) sorts the first divergence first
+        found = [
+            (last_update, run, len(names), "parameters", "")
+            for run in np.flatnonzero(~finite_state)
+        ]
+        for order, name in enumerate(names):
+            for run, values in enumerate(metrics[name]):
+                finite = np.flatnonzero(np.isfinite(values))
+                start = finite[-1] + 1 if finite.size else 0
+                if start < len(values) and (start > 0 or not finite_state[run]):
+                    found.append((first_update + int(start), run, order, name, str(values[start])))
+        if not found:
+            return None
+        update, run, _, metric, value = min(found)
+        return Divergence(metric, value, int(update), int(run), last_update)
 
 
 def train_in_chunks(plan: RunPlan, state, start_update: int, clock: _Clock, wandb_sink):
     """Train to the last update, one compiled chunk at a time. After each chunk, and only there,
     process 0 appends to metrics.csv and wandb, writes records and saves a checkpoint. Ctrl-C
-    saves a checkpoint and exits 130. Returns the final state."""
+    saves a checkpoint and exits 130. A chunk in which a run diverged (_DivergenceGuard; off
+    with --allow-nonfinite) is logged but not kept: training stops at the last finite state.
+    Returns (that state, the Divergence or None)."""
     trainer, is_main = plan.trainer, plan.is_main
     run_chunk = _ChunkRunner(plan, clock)
+    guard = None if plan.config.allow_nonfinite else _DivergenceGuard(plan)
+    divergence = None
     metrics_csv = None
     progress = _Progress(
         plan.config.progress and is_main, trainer.num_updates, start_update, trainer.env_id, trainer
@@ -484,9 +599,9 @@ def train_in_chunks(plan: RunPlan, state, start_update: int, clock: _Clock, wand
             new_state, metrics = run_chunk(state, num_updates)
             # the first run's records
             records = {k: metrics.pop(k)[0] for k in list(metrics) if k.startswith("record_")}
+            first_update = update + 1
+            divergence = guard(new_state, metrics, first_update) if guard else None
             with checkpoint.defer_interrupts():  # logs and checkpoint of a chunk land together
-                state, first_update = new_state, update + 1
-                update += num_updates
                 if is_main:
                     if metrics_csv is None:
                         metrics_csv = MetricsCsv(
@@ -498,10 +613,16 @@ def train_in_chunks(plan: RunPlan, state, start_update: int, clock: _Clock, wand
                     metrics_csv.append(first_update, trainer.steps_per_update, metrics)
                     if wandb_sink is not None:
                         wandb_sink.log(first_update, trainer.steps_per_update, metrics)
+                if divergence is not None:
+                    break  # its rows show the NaN; its state is neither kept nor saved
+                state = new_state
+                update += num_updates
+                if is_main:
                     checkpoint.save(plan.checkpoint_dir, update, state, clock.totals(update))
                     saved_update = update
             if is_main and records and trainer.write_records is not None:
-                written = trainer.write_records(plan.run_dir, update, records)
+                with naming_the_file(os.path.join(plan.run_dir, "games")):
+                    written = trainer.write_records(plan.run_dir, update, records)
                 if wandb_sink is not None:
                     wandb_sink.log_files(update * trainer.steps_per_update, written)
             done_steps = (update - start_update) * trainer.steps_per_update * plan.num_runs
@@ -514,7 +635,7 @@ def train_in_chunks(plan: RunPlan, state, start_update: int, clock: _Clock, wand
         raise
     finally:
         progress.close()
-    return state
+    return state, divergence
 
 
 def _exit_interrupted(plan: RunPlan) -> None:
@@ -540,39 +661,60 @@ def _evaluate_final(plan: RunPlan, state, clock: _Clock) -> np.ndarray | None:
     if trainer.evaluate is None:
         return None
     first_device_state = jax.tree.map(lambda x: x[0], state)
-    eval_keys = jax.vmap(lambda k: jax.random.fold_in(k, 1))(plan.run_keys)
+    eval_keys = _evaluation_keys(plan)
     start = time.perf_counter()
     evaluate = jax.jit(jax.vmap(trainer.evaluate)).lower(first_device_state, eval_keys).compile()
     clock.compile_seconds += time.perf_counter() - start
     return np.asarray(evaluate(first_device_state, eval_keys))
 
 
+def _evaluation_keys(plan: RunPlan) -> np.ndarray:
+    """[runs, 2]: each run's key of the evaluation after training."""
+    return np.asarray(jax.vmap(lambda k: jax.random.fold_in(k, 1))(plan.run_keys))
+
+
+def _evaluation_fields(evaluation: np.ndarray | None, num_runs: int) -> dict:
+    """summary.json's evaluation after training, from the episode returns [runs, episodes]
+    (None: no evaluation, null returns)."""
+    eval_returns = [float("nan")] * num_runs if evaluation is None else evaluation.mean(1).tolist()
+    return {
+        "eval_episodes": 0 if evaluation is None else evaluation.shape[1],
+        "eval_return_per_seed": eval_returns,
+        "eval_return_mean": float(np.mean(eval_returns)),
+        "eval_return_std": float(np.std(eval_returns)),
+    }
+
+
 def _capture_video(plan: RunPlan, state, wandb_sink) -> None:
     """--capture-video: one greedy episode of the first run, as RUN_DIR/videos/final.gif."""
     trainer = plan.trainer
-    video_path = write_episode_gif(
-        trainer.env_id,
-        trainer.video_policy(jax.tree.map(lambda x: x[0, 0], state)),  # device 0, run 0
-        jax.random.fold_in(plan.run_keys[0], 2),
-        os.path.join(plan.run_dir, "videos", "final.gif"),
-    )
+    gif_path = os.path.join(plan.run_dir, "videos", "final.gif")
+    with naming_the_file(gif_path):
+        video_path = write_episode_gif(
+            trainer.env_id,
+            trainer.video_policy(jax.tree.map(lambda x: x[0, 0], state)),  # device 0, run 0
+            jax.random.fold_in(plan.run_keys[0], 2),
+            gif_path,
+        )
     if video_path is not None and wandb_sink is not None:
         wandb_sink.log_video(video_path)
 
 
-def _summary(plan: RunPlan, columns: dict, evaluation, start_update: int, clock) -> dict:
+def _summary(
+    plan: RunPlan, columns: dict, evaluation, start_update: int, clock, divergence=None
+) -> dict:
     """summary.json: lists "per seed" hold one entry per run, configuration-major when
-    sweeping. "final_*" is the headline metric over the last updates; "eval_return_*" the mean
-    return of the evaluation after training (null without one)."""
+    sweeping. "final_*" is the headline metric over the last updates trained; "eval_return_*"
+    the mean return of the evaluation after training (null without one); "diverged" where the
+    first run diverged (null if none did)."""
     trainer, config = plan.trainer, plan.config
+    end_update = trainer.num_updates if divergence is None else divergence.logged_until
     num_seeds, num_runs = config.num_seeds, plan.num_runs
-    eval_returns = [float("nan")] * num_runs if evaluation is None else evaluation.mean(1).tolist()
-    final_values = _final_values(
-        columns, trainer.headline_metric, num_seeds, num_runs, trainer.num_updates
-    )
+    evaluation_fields = _evaluation_fields(evaluation, num_runs)
+    final_values = _final_values(columns, trainer.headline_metric, num_seeds, num_runs, end_update)
     metric_names = [n for n in columns if n not in ("update", "env_steps", *plan.run_columns)]
-    totals = clock.totals(trainer.num_updates)
-    steps_done = (trainer.num_updates - start_update) * trainer.steps_per_update * num_runs
+    totals = clock.totals(end_update)
+    steps_done = (end_update - start_update) * trainer.steps_per_update * num_runs
     steps_per_second = steps_done / max(clock.train_seconds, 1e-9)
     summary = {
         "algo": trainer.algo,
@@ -587,10 +729,7 @@ def _summary(plan: RunPlan, columns: dict, evaluation, start_update: int, clock)
         "final_per_seed": final_values,
         "final_mean": float(np.nanmean(final_values)),
         "final_std": float(np.nanstd(final_values)),
-        "eval_episodes": 0 if evaluation is None else evaluation.shape[1],
-        "eval_return_per_seed": eval_returns,
-        "eval_return_mean": float(np.mean(eval_returns)),
-        "eval_return_std": float(np.std(eval_returns)),
+        **evaluation_fields,
         "final_metrics_per_seed": _last_reported(columns, metric_names, num_seeds, num_runs),
         "step_unit": trainer.step_unit,
         "steps_per_second": steps_per_second,
@@ -599,14 +738,42 @@ def _summary(plan: RunPlan, columns: dict, evaluation, start_update: int, clock)
         "train_seconds": totals["train_seconds"],
         "wall_seconds": totals["wall_seconds"],
         "resumed_from_update": start_update if config.resume is not None else None,
+        "diverged": None if divergence is None else _divergence_entry(plan, divergence),
     }
     if config.sweep:
         summary["sweep"] = {
             "parameters": list(plan.overrides[0]),
             "num_configs": len(plan.overrides),
-            "ranking": _sweep_ranking(plan.overrides, final_values, eval_returns),
+            "ranking": _sweep_ranking(
+                plan.overrides, final_values, evaluation_fields["eval_return_per_seed"]
+            ),
         }
     return summary
+
+
+def _divergence_entry(plan: RunPlan, divergence: Divergence) -> dict:
+    """summary.json's "diverged": the metric, the update and the run (its seed, and its
+    configuration when sweeping)."""
+    entry = {
+        "metric": divergence.metric,
+        "update": divergence.update,
+        "seed": plan.config.seed + int(plan.run_seed[divergence.run]),
+    }
+    if plan.config.sweep:
+        entry["config"] = int(plan.run_config[divergence.run])
+    return entry
+
+
+def _divergence_line(plan: RunPlan, divergence: Divergence) -> str:
+    """The one line a diverged run prints: what, where, and the checkpoint it kept."""
+    of_run = ""
+    if plan.num_runs > 1:
+        entry = _divergence_entry(plan, divergence)
+        swept = f", {config_label(plan.overrides[entry['config']])}" if "config" in entry else ""
+        of_run = f" (seed {entry['seed']}{swept})"
+    kept = checkpoint.latest_update(plan.checkpoint_dir)
+    keeps = "no checkpoint before it" if kept is None else f"kept the checkpoint of update {kept}"
+    return f"diverged: {divergence.described()}{of_run}; {keeps} -> {plan.run_dir}"
 
 
 def _result_line(plan: RunPlan, summary: dict) -> str:
@@ -631,50 +798,132 @@ def _result_line(plan: RunPlan, summary: dict) -> str:
     )
 
 
-def report(plan: RunPlan, state, start_update: int, clock: _Clock, wandb_sink) -> dict:
-    """Process 0 after training: evaluation, video, summary.json, the learning curve, wandb's
-    summary and the one-line result."""
-    eval_returns = _evaluate_final(plan, state, clock)
-    if plan.trainer.video_policy is not None:
+def report(
+    plan: RunPlan, state, start_update: int, clock: _Clock, wandb_sink, divergence=None
+) -> dict:
+    """Process 0 after training: evaluation, video, the learning curve, summary.json, wandb's
+    summary and the one-line result. A diverged run gets neither evaluation nor video, and its
+    line on stderr says where it diverged."""
+    diverged = divergence is not None
+    eval_returns = None if diverged else _evaluate_final(plan, state, clock)
+    if plan.trainer.video_policy is not None and not diverged:
         _capture_video(plan, state, wandb_sink)
-    summary = _summary(plan, read_metrics_csv(plan.csv_path), eval_returns, start_update, clock)
-    write_json(os.path.join(plan.run_dir, "summary.json"), summary)
+    columns = read_metrics_csv(plan.csv_path)
+    summary = _summary(plan, columns, eval_returns, start_update, clock, divergence)
     trainer = plan.trainer
-    plot_learning_curve(
-        plan.csv_path,
-        os.path.join(plan.run_dir, "learning_curve.png"),
-        f"{trainer.algo} {trainer.env_id}",
-        trainer.headline_metric,
-        trainer.step_unit,
-        [config_label(values) for values in plan.overrides] if plan.config.sweep else None,
-    )
+    png_path = os.path.join(plan.run_dir, "learning_curve.png")
+    with naming_the_file(png_path):
+        plot_learning_curve(
+            plan.csv_path,
+            png_path,
+            f"{trainer.algo} {trainer.env_id}",
+            trainer.headline_metric,
+            trainer.step_unit,
+            [config_label(values) for values in plan.overrides] if plan.config.sweep else None,
+        )
+    # last: a run directory with a summary has every output, and --resume finds it complete
+    write_json(os.path.join(plan.run_dir, "summary.json"), summary)
     if wandb_sink is not None:
         wandb_sink.finish(summary)
-    print(_result_line(plan, summary))
+    if diverged:
+        print(_divergence_line(plan, divergence), file=sys.stderr)
+    else:
+        print(_result_line(plan, summary))
     return summary
+
+
+def reevaluate(plan: RunPlan, summary: dict) -> dict:
+    """--resume of a finished run with an evaluation size on the command line: the final
+    evaluation again, of the last checkpoint's state, with that size and the same keys. Only
+    summary.json's evaluation fields change (eval_*, and the sweep ranking's); every training
+    figure (final_*, steps/s, seconds) stays as the training wrote it."""
+    clock = _Clock(wall_start=time.perf_counter())  # apart: the training's seconds stay
+    state, _ = start_or_resume(plan, clock)
+    if plan.trainer.evaluate is not None:
+        fields = _evaluation_fields(_evaluate_final(plan, state, clock), plan.num_runs)
+    else:
+        fields = _chunk_evaluation_fields(plan, state)
+    summary = {**summary, **fields}
+    for entry in summary.get("sweep", {}).get("ranking", []):
+        num_seeds = plan.config.num_seeds
+        of_config = slice(entry["config"] * num_seeds, (entry["config"] + 1) * num_seeds)
+        for name in ("eval_return_per_seed", "eval_metrics_per_seed"):
+            if name in fields:
+                entry[name] = fields[name][of_config]
+        if "eval_return_per_seed" in fields:
+            entry["eval_return_mean"] = float(np.mean(entry["eval_return_per_seed"]))
+    write_json(os.path.join(plan.run_dir, "summary.json"), summary)
+    print(_reevaluation_line(plan, summary))
+    return summary
+
+
+def _eval_size_field(config) -> str:
+    """The config's field that sizes the final evaluation: eval_episodes or eval_games."""
+    return next(name for name in EVAL_SIZE_FIELDS if hasattr(config, name))
+
+
+def _chunk_evaluation_fields(plan: RunPlan, state) -> dict:
+    """The evaluation that ends every chunk (Trainer.chunk_evaluation) of the final state:
+    the evaluation size and "eval_metrics_per_seed", one {name: value} per run."""
+    trainer = plan.trainer
+    keys = np.repeat(_evaluation_keys(plan)[None], plan.local_devices, 0)
+    evaluate = jax.pmap(_over_runs(trainer.chunk_evaluation, plan.num_runs), axis_name=DEVICE_AXIS)
+    metrics = jax.device_get(evaluate(state, keys))
+    per_run = [
+        {name: float(v[0, run]) for name, v in metrics.items() if not name.startswith("record_")}
+        for run in range(plan.num_runs)
+    ]
+    size = _eval_size_field(plan.config)
+    return {size: getattr(plan.config, size), "eval_metrics_per_seed": per_run}
+
+
+def _reevaluation_line(plan: RunPlan, summary: dict) -> str:
+    """The one line of a re-evaluation: its size and its mean over the runs (the return, or
+    the headline metric of a chunk evaluation)."""
+    trainer, size = plan.trainer, _eval_size_field(plan.config)
+    if trainer.evaluate is not None:
+        name, values = "return", summary["eval_return_per_seed"]
+    else:
+        metrics = summary["eval_metrics_per_seed"]
+        name = trainer.headline_metric if trainer.headline_metric in metrics[0] else min(metrics[0])
+        values = [m[name] for m in metrics]
+    values = np.array(values, float)  # null (no value) as NaN
+    return (
+        f"{trainer.algo} {trainer.env_id}: re-evaluated update {trainer.num_updates} with "
+        f"--{size.replace('_', '-')} {getattr(plan.config, size)}: eval {name} "
+        f"{np.mean(values):.3g} ± {np.std(values):.2g} over {len(values)} run(s) -> {plan.run_dir}"
+    )
 
 
 def run_training(config, make_train: Callable, validate: Callable, return_state: bool = False):
     """Plan, start or resume, train in chunks and report (utils/trainer.py has the contract
     `make_train` and `validate` follow). Returns the summary dict (None on the processes other
     than 0 of a multi-process run), and with `return_state` also this process's final training
-    state, leaves [local devices, runs, ...]."""
+    state, leaves [local devices, runs, ...]. A run that diverged exits with DIVERGED_EXIT_CODE
+    once it has reported. --resume of a finished run trains nothing: it says so, or, asked
+    with an evaluation size (`config.reevaluate`), evaluates the final state again."""
     clock = _Clock(wall_start=time.perf_counter())
     plan = plan_runs(config, make_train, validate)
     finished = plan.resume_update == plan.trainer.num_updates
     if finished and os.path.exists(os.path.join(plan.run_dir, "summary.json")):
-        print(f"{plan.trainer.algo} {plan.trainer.env_id}: already complete -> {plan.run_dir}")
-        with open(os.path.join(plan.run_dir, "summary.json")) as f:
-            summary = json.load(f)
+        summary = read_json(os.path.join(plan.run_dir, "summary.json"), "--resume")
+        if config.reevaluate and (plan.trainer.evaluate or plan.trainer.chunk_evaluation):
+            with _run_lock(plan.run_dir):
+                summary = reevaluate(plan, summary)
+        else:
+            print(f"{plan.trainer.algo} {plan.trainer.env_id}: already complete -> {plan.run_dir}")
         return (summary, None) if return_state else summary
     with _run_lock(plan.run_dir), checkpoint.stop_signals_interrupt():
         try:
             state, start_update = start_or_resume(plan, clock)
             wandb_sink = _wandb_sink(plan)
-            state = train_in_chunks(plan, state, start_update, clock, wandb_sink)
+            state, divergence = train_in_chunks(plan, state, start_update, clock, wandb_sink)
         except KeyboardInterrupt:
             _exit_interrupted(plan)
-        summary = report(plan, state, start_update, clock, wandb_sink) if plan.is_main else None
+        if plan.is_main:
+            summary = report(plan, state, start_update, clock, wandb_sink, divergence)
+        else:
+            summary = None
     if not plan.is_main:
         print(
             f"{plan.trainer.algo} {plan.trainer.env_id}: process {jax.process_index()} of "
@@ -683,6 +932,8 @@ def run_training(config, make_train: Callable, validate: Callable, return_state:
     if plan.multi_process:
         # no process leaves the group while process 0 still evaluates and reports
         multihost_utils.sync_global_devices(_REPORTED_BARRIER)
+    if divergence is not None:
+        sys.exit(DIVERGED_EXIT_CODE)
     return (summary, state) if return_state else summary
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import io
@@ -11,6 +12,8 @@ import os
 import sys
 
 import numpy as np
+
+from utils.errors import ConfigError
 
 
 class MetricsCsv:
@@ -36,7 +39,7 @@ class MetricsCsv:
 
     def _rewrite(self, rows: list[dict]):
         tmp = self.path + ".tmp"
-        with open(tmp, "w", newline="") as f:
+        with naming_the_file(self.path), open(tmp, "w", newline="") as f:
             writer = csv.DictWriter(f, self.columns)
             writer.writeheader()
             writer.writerows(rows)
@@ -54,7 +57,7 @@ class MetricsCsv:
             for run, run_values in enumerate(self.run_values):
                 values = [float(metrics[name][run, k]) for name in self.metric_names]
                 writer.writerow([update, update * steps_per_update, *run_values, *values])
-        with open(self.path, "a", newline="") as f:
+        with naming_the_file(self.path), open(self.path, "a", newline="") as f:
             f.write(text.getvalue())
             f.flush()
 
@@ -168,7 +171,35 @@ def _strict_json(value):
 def write_json(path: str, data) -> None:
     """`data` as strict JSON at `path`, written whole or not at all (a temporary file, renamed)."""
     tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(_strict_json(data), f, indent=2, allow_nan=False)
-        f.write("\n")
-    os.replace(tmp, path)
+    with naming_the_file(path):
+        with open(tmp, "w") as f:
+            json.dump(_strict_json(data), f, indent=2, allow_nan=False)
+            f.write("\n")
+        os.replace(tmp, path)
+
+
+def read_json(path: str, flag: str) -> dict:
+    """The JSON object at `path`, which `flag` reads. A file that is cut short (a crash, a full
+    disk), not JSON, not an object or unreadable is a ConfigError that names it."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as error:
+        raise ConfigError(f"{flag}: cannot read {path}: {error.strerror}") from None
+    except ValueError as error:  # not JSON, or bytes that are not UTF-8
+        raise ConfigError(f"{flag}: {path} is not valid JSON ({error})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{flag}: {path} holds a JSON {type(data).__name__}, not an object")
+    return data
+
+
+@contextlib.contextmanager
+def naming_the_file(path: str):
+    """An OSError in the block names `path` if it names no file: a disk that fills up fails a
+    write, flush or close with only the error."""
+    try:
+        yield
+    except OSError as error:
+        if error.filename is not None:
+            raise
+        raise OSError(error.errno, error.strerror or str(error), path) from error

@@ -18,6 +18,12 @@ never mutates the config. It hands `make_train` a view of the config in which th
 `config.gamma` instead of `hp.gamma` would turn `--sweep gamma=...` into a silent no-op, so the
 driver refuses such a trainer, naming the field, before it compiles anything.
 
+After every chunk the driver's divergence guard looks, on the host, at the metrics the
+trainer names in `Trainer.guarded_metrics` (its losses) and at the floating-point leaves of
+`Trainer.guarded_state(state)` (its parameters and optimiser state): a run in which one turned
+NaN or inf stops there, keeps its last finite checkpoint and exits with code 3, unless
+--allow-nonfinite. Nothing is added to the compiled chunk.
+
 `Trainer.train(key)` is the whole run without the driver and without a device axis, as
 PureJaxRL's `train` is: `jax.jit(jax.vmap(make_train(config).train))(keys)` trains one seed per
 key.
@@ -83,6 +89,18 @@ class Trainer:
     # A hint the driver applies before lowering: JAX's threefry hash as straight-line code on
     # CPU (utils.devices.unroll_threefry_on_cpu), or JAX's rolled CPU loop.
     unrolled_threefry: bool = True
+    # The divergence guard's inputs (--allow-nonfinite turns it off). Metrics that a healthy
+    # run keeps finite once it reports them (the losses; NaN before that is "nothing to report
+    # yet", as DQN's loss before learning starts) ...
+    guarded_metrics: tuple[str, ...] = ()
+    # ... and (state) -> the part of the state that must stay finite (parameters, optimiser
+    # state; not replay buffers or environments): the driver checks its floating-point leaves
+    # after every chunk. None checks none.
+    guarded_state: Callable | None = None
+    # (state, key) -> {name: scalar}: the evaluation that ends every chunk of a trainer that
+    # evaluates inside its chunks (evaluate is None; AlphaZero), run alone on the final state
+    # when a finished run is evaluated again (--resume with --eval-games). None: no such one.
+    chunk_evaluation: Callable | None = None
 
     def train(self, key):
         """The whole run as one scan over updates, with no driver: (final state, metrics
@@ -167,9 +185,10 @@ def build_trainer(make_train: Callable, config, runtime: Runtime) -> Trainer:
     return trainer
 
 
-def check_chunk_metrics(metrics: dict, num_updates: int) -> None:
+def check_chunk_metrics(metrics: dict, num_updates: int, guarded: tuple[str, ...] = ()) -> None:
     """The metrics of a chunk on the host, leaves [runs, num_updates] (device 0's copy): one
-    float per update and run for every name but the "record_*" outputs."""
+    float per update and run for every name but the "record_*" outputs, and every guarded
+    metric among them."""
     for name, values in metrics.items():
         if name.startswith("record_"):
             continue
@@ -178,3 +197,6 @@ def check_chunk_metrics(metrics: dict, num_updates: int) -> None:
                 f"metric {name!r} has shape {values.shape[1:]} per run; a chunk of "
                 f"{num_updates} updates must give one value per update, shape ({num_updates},)"
             )
+    missing = [name for name in guarded if name not in metrics]
+    if missing:
+        raise TrainerContractError(f"guarded_metrics {missing} are not metrics of the chunk")
