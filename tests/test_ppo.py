@@ -2,24 +2,29 @@
 NumPy; and the trainer without the driver, as PureJaxRL's users call it."""
 
 import dataclasses
+import functools
 
+import gymnax
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from gymnax.environments.classic_control import cartpole
 from scipy import stats
 
 import purejaxrl_ppo
 from purejaxrl_ppo import (
+    ActorCritic,
     Categorical,
     DiagGaussian,
     HyperParams,
-    compute_gae,
-    next_state_values,
+    Transition,
     ppo_loss,
+    rollout_targets,
 )
 from tests.golden_runs import GOLDEN_DIR, read_columns
 from utils.devices import DEVICE_AXIS
+from utils.envs import env_spec
 from utils.trainer import Runtime, TrainerContractError
 
 
@@ -46,11 +51,14 @@ def gae_reference(rewards, values, last_value, final_values, terminated, truncat
 
 
 def gae(rewards, values, last_value, final_values, terminated, truncated, gamma, lam):
-    """The trainer's pipeline: bootstrap values, then GAE."""
-    terminated, truncated = terminated.astype(np.float32), truncated.astype(np.float32)
-    next_values = next_state_values(values, last_value, final_values, truncated)
-    dones = np.maximum(terminated, truncated)
-    return compute_gae(rewards, values, next_values, terminated, dones, gamma, lam)
+    """The trainer's targets of a rollout with these values, rewards and episode ends."""
+    rollout = Transition(*[None] * len(Transition._fields))._replace(
+        value=values,
+        reward=rewards,
+        terminated=terminated.astype(np.float32),
+        truncated=truncated.astype(np.float32),
+    )
+    return rollout_targets(rollout, last_value, final_values, gamma, lam)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -197,3 +205,120 @@ def test_max_grad_norm_0_turns_clipping_off():
         return max(jax.tree.leaves(moved))
 
     assert params_moved(0.0) > 10 * params_moved(1e-6) > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The update step's own wiring, watched from outside
+# ---------------------------------------------------------------------------------------------
+
+
+def train_one_update(monkeypatch, config, **env_params):
+    """One update step of the real trainer, with these gymnax env params replaced, watched from
+    outside: its state before and after, the rollout it collected and the advantages and targets
+    it learned from (as `rollout_targets` returned them) and every action its environments
+    received. Leaves without the device axis."""
+    seen = {"env_actions": []}
+    make_env, targets_of = purejaxrl_ppo.make_env, purejaxrl_ppo.rollout_targets
+
+    class ActionRecorder:
+        """The environment, recording every action it receives."""
+
+        def __init__(self, env):
+            self.env = env
+
+        def __getattr__(self, name):
+            return getattr(self.env, name)
+
+        def step(self, key, state, action, params):
+            jax.debug.callback(seen["env_actions"].append, action)
+            return self.env.step(key, state, action, params)
+
+    def make_watched_env(name):
+        env, params, spec = make_env(name)
+        return ActionRecorder(env), params.replace(**env_params), spec
+
+    def watched_targets(traj, last_value, final_values, gamma, gae_lambda):
+        advantages, targets = targets_of(traj, last_value, final_values, gamma, gae_lambda)
+        jax.debug.callback(
+            lambda traj, advantages, targets: seen.update(
+                rollout=traj, advantages=advantages, targets=targets
+            ),
+            traj,
+            advantages,
+            targets,
+        )
+        return advantages, targets
+
+    monkeypatch.setattr(purejaxrl_ppo, "make_env", make_watched_env)
+    monkeypatch.setattr(purejaxrl_ppo, "rollout_targets", watched_targets)
+    trainer = purejaxrl_ppo.make_train(config)
+    assert trainer.num_updates == 1
+    on_device = functools.partial(jax.vmap, axis_name=DEVICE_AXIS)  # the device axis, size 1
+    start = on_device(trainer.init, in_axes=(0, None))(
+        jax.random.PRNGKey(0)[None], trainer.hyperparams
+    )
+    end, _ = jax.jit(on_device(lambda state: trainer.train_chunk(state, 1)))(start)
+    jax.effects_barrier()
+    assert "rollout" in seen, "the update step no longer calls purejaxrl_ppo.rollout_targets"
+    without_device_axis = functools.partial(jax.tree.map, lambda x: np.asarray(x[0]))
+    return {**seen, "start": without_device_axis(start), "end": without_device_axis(end)}
+
+
+def network_of(config):
+    spec = env_spec(config.env)
+    return ActorCritic(
+        spec.num_actions,
+        spec.discrete,
+        len(spec.obs_shape),
+        config.hidden_size,
+        config.activation,
+        config.torso,
+    )
+
+
+def test_update_step_bootstraps_truncations_from_the_final_observation(monkeypatch):
+    """CartPole cut off after 20 steps: the advantages and targets the update step learns from
+    are textbook GAE of the rollout it collected, where a truncated step bootstraps from the
+    value of its final observation (before the automatic reset), the rollout's last step from
+    the value of the observation after it, and a terminated step from nothing."""
+    config = purejaxrl_ppo.Config(
+        num_envs=4, num_steps=64, num_minibatches=2, update_epochs=1, total_timesteps=256
+    )
+    seen = train_one_update(monkeypatch, config, max_steps_in_episode=20)
+    traj, params = seen["rollout"], seen["start"].params
+    terminated, truncated = traj.terminated > 0, traj.truncated > 0
+    # Every case occurs: terminations and truncations before the last step, and environments
+    # whose episode runs on past the rollout.
+    assert terminated[:-1].any() and (truncated & ~terminated)[:-1].any()
+    assert not (terminated | truncated)[-1].all()
+
+    # CartPole's observation is its state: the observation each step ended in, before any
+    # reset, is one step of its dynamics from the observation acted on.
+    env, env_params = gymnax.make("CartPole-v1")
+
+    def stepped(obs, action):
+        x, x_dot, theta, theta_dot = obs
+        state = cartpole.EnvState(x=x, x_dot=x_dot, theta=theta, theta_dot=theta_dot, time=0)
+        return env.step_env(jax.random.PRNGKey(0), state, action, env_params)[0]
+
+    final_obs = jax.vmap(jax.vmap(stepped))(traj.obs, traj.action)
+    np.testing.assert_allclose(traj.final_obs, final_obs, rtol=1e-5, atol=1e-6)
+
+    network = network_of(config)
+
+    def value(obs):
+        return np.asarray(network.apply(params, obs, method=ActorCritic.value), np.float64)
+
+    np.testing.assert_allclose(traj.value, value(traj.obs), rtol=1e-5, atol=1e-6)
+    advantages, targets = gae_reference(
+        traj.reward,
+        traj.value,
+        value(seen["end"].obs),  # learning leaves the environments where the rollout ended
+        value(final_obs),
+        terminated,
+        truncated,
+        config.gamma,
+        config.gae_lambda,
+    )
+    np.testing.assert_allclose(seen["advantages"], advantages, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(seen["targets"], targets, rtol=1e-4, atol=1e-5)
