@@ -322,3 +322,69 @@ def test_update_step_bootstraps_truncations_from_the_final_observation(monkeypat
     )
     np.testing.assert_allclose(seen["advantages"], advantages, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(seen["targets"], targets, rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Continuous actions
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pendulum_update():
+    config = purejaxrl_ppo.Config(
+        env="Pendulum",
+        num_envs=4,
+        num_steps=64,
+        num_minibatches=2,
+        update_epochs=2,
+        total_timesteps=256,
+        ent_coef=0.0,  # the continuous preset's: log_std learns from the policy loss alone
+    )
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        return config, train_one_update(monkeypatch, config)
+
+
+def test_gaussian_policy_samples_have_the_mean_and_std_the_network_gives(pendulum_update):
+    config, seen = pendulum_update
+    network = network_of(config)
+    obs = seen["rollout"].obs[0, :3]  # three Pendulum states
+    params = jax.tree.map(jnp.asarray, seen["start"].params)  # a copy
+    # Means well apart (the policy head starts at gain 0.01) and a std other than 1.
+    params["params"]["actor"]["layers_5"]["kernel"] *= 100
+    params["params"]["log_std"] = jnp.log(jnp.array([0.3]))
+    n = 50_000
+    pi = network.apply(params, jnp.repeat(obs, n, axis=0), method=ActorCritic.policy)
+    samples = np.asarray(pi.sample(jax.random.PRNGKey(2))).reshape(3, n)
+    mean = np.asarray(pi.mean).reshape(3, n)[:, 0]
+    std = np.exp(np.asarray(pi.log_std).reshape(3, n)[:, 0])
+    np.testing.assert_allclose(std, 0.3, rtol=1e-6)
+    # Five standard errors: of a mean, std / sqrt(n); of a normal sample's std, std / sqrt(2n).
+    mean_error, std_error = 5 * 0.3 / np.sqrt(n), 5 * 0.3 / np.sqrt(2 * n)
+    assert np.ptp(mean) > 20 * mean_error
+    np.testing.assert_allclose(samples.mean(1), mean, rtol=0, atol=mean_error)
+    np.testing.assert_allclose(samples.std(1), std, rtol=0, atol=std_error)
+
+
+def test_continuous_actions_are_clipped_for_the_env_only(pendulum_update):
+    """Pendulum's torque bounds are [-2, 2]: the environments receive the sampled actions
+    clipped to them, while the rollout keeps the sample and the log probability of it."""
+    config, seen = pendulum_update
+    traj = seen["rollout"]
+    assert (np.abs(traj.action) > 2).any()  # the Gaussian (std 1 at first) samples beyond them
+    received = np.sort(np.concatenate([np.ravel(a) for a in seen["env_actions"]]))
+    np.testing.assert_array_equal(received, np.sort(np.clip(traj.action, -2, 2).ravel()))
+    pi = network_of(config).apply(seen["start"].params, traj.obs, method=ActorCritic.policy)
+    log_prob = stats.norm(pi.mean, np.exp(pi.log_std)).logpdf(traj.action).sum(-1)
+    np.testing.assert_allclose(traj.log_prob, log_prob, rtol=1e-5, atol=1e-5)
+
+
+def test_log_std_is_one_learned_parameter_for_every_state_starting_at_0(pendulum_update):
+    config, seen = pendulum_update
+    start, end = seen["start"].params, seen["end"].params
+    np.testing.assert_array_equal(start["params"]["log_std"], np.zeros(1))
+    # The update moved it (Adam's first steps are about the learning rate each)...
+    learned = end["params"]["log_std"]
+    assert np.abs(learned).min() > 0.1 * config.learning_rate
+    # ... and the policy's log std is that parameter in every state.
+    pi = network_of(config).apply(end, seen["rollout"].obs, method=ActorCritic.policy)
+    np.testing.assert_array_equal(pi.log_std, np.broadcast_to(learned, pi.log_std.shape))
