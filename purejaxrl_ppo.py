@@ -333,6 +333,17 @@ class RunnerState(NamedTuple):
     key: jax.Array
 
 
+def rollout_targets(traj: Transition, last_value, final_values, gamma, gae_lambda):
+    """GAE advantages and value targets of a rollout, [T, E]. `last_value` [E] is the value of
+    the observation after the rollout, `final_values` [T, E] that of each step's final
+    observation: the bootstraps of the rollout's last step and of its truncated steps."""
+    next_values = next_state_values(traj.value, last_value, final_values, traj.truncated)
+    dones = jnp.maximum(traj.terminated, traj.truncated)
+    return compute_gae(
+        traj.reward, traj.value, next_values, traj.terminated, dones, gamma, gae_lambda
+    )
+
+
 def validate(config: Config, runtime: Runtime) -> None:
     """ConfigError for a config that cannot train; cheap enough to run per sweep configuration."""
     spec = env_spec(config.env)
@@ -458,10 +469,8 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
         params = runner_state.params
         last_value = network.apply(params, runner_state.obs, method=ActorCritic.value)
         final_values = network.apply(params, traj.final_obs, method=ActorCritic.value)
-        next_values = next_state_values(traj.value, last_value, final_values, traj.truncated)
-        dones = jnp.maximum(traj.terminated, traj.truncated)
-        advantages, targets = compute_gae(
-            traj.reward, traj.value, next_values, traj.terminated, dones, hp.gamma, hp.gae_lambda
+        advantages, targets = rollout_targets(
+            traj, last_value, final_values, hp.gamma, hp.gae_lambda
         )
 
         # 3. Learn: epochs x shuffled minibatches, gradients averaged over devices.
@@ -515,8 +524,9 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
         runner_state = runner_state._replace(params=params, opt_state=opt_state, key=key)
 
         # 4. Metrics, reduced here so nothing per-step is kept: episodes that ended this update.
+        ended = jnp.logical_or(traj.terminated, traj.truncated)
         metrics = {
-            **episode_metrics(dones > 0, traj.episode_return, traj.episode_length),
+            **episode_metrics(ended, traj.episode_return, traj.episode_length),
             **{k: device_mean(v.mean()) for k, v in info._asdict().items()},
         }
         return runner_state, metrics

@@ -1,32 +1,32 @@
 """PPO: GAE, truncation bootstrapping, the PPO loss and the action distributions against plain
-NumPy; the trainer without the driver, as PureJaxRL's users call it; and through the driver,
-what its guards and re-evaluation do to a real training state."""
+NumPy; the trainer without the driver, as PureJaxRL's users call it; one real update step watched
+from outside (its targets, continuous actions). Runs through the driver are in
+tests/test_ppo_runs.py."""
 
 import dataclasses
-import json
-from pathlib import Path
+import functools
 
+import gymnax
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from gymnax.environments.classic_control import cartpole
 from scipy import stats
 
 import purejaxrl_ppo
 from purejaxrl_ppo import (
-    PRESETS,
+    ActorCritic,
     Categorical,
-    Config,
     DiagGaussian,
     HyperParams,
-    compute_gae,
-    next_state_values,
+    Transition,
     ppo_loss,
+    rollout_targets,
 )
 from tests.golden_runs import GOLDEN_DIR, read_columns
-from utils.cli import parse_config
 from utils.devices import DEVICE_AXIS
-from utils.driver import run_training
+from utils.envs import env_spec
 from utils.trainer import Runtime, TrainerContractError
 
 
@@ -53,11 +53,14 @@ def gae_reference(rewards, values, last_value, final_values, terminated, truncat
 
 
 def gae(rewards, values, last_value, final_values, terminated, truncated, gamma, lam):
-    """The trainer's pipeline: bootstrap values, then GAE."""
-    terminated, truncated = terminated.astype(np.float32), truncated.astype(np.float32)
-    next_values = next_state_values(values, last_value, final_values, truncated)
-    dones = np.maximum(terminated, truncated)
-    return compute_gae(rewards, values, next_values, terminated, dones, gamma, lam)
+    """The trainer's targets of a rollout with these values, rewards and episode ends."""
+    rollout = Transition(*[None] * len(Transition._fields))._replace(
+        value=values,
+        reward=rewards,
+        terminated=terminated.astype(np.float32),
+        truncated=truncated.astype(np.float32),
+    )
+    return rollout_targets(rollout, last_value, final_values, gamma, lam)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -207,35 +210,183 @@ def test_max_grad_norm_0_turns_clipping_off():
 
 
 # ---------------------------------------------------------------------------------------------
-# Through the driver
+# The update step's own wiring, watched from outside
 # ---------------------------------------------------------------------------------------------
 
 
-def test_a_diverging_run_stops_after_its_first_chunk_with_one_line_and_exit_code_3(
-    tiny_ppo_args, capsys
-):
-    """A value-loss weight of 1e38 overflows the first gradient step: the parameters are NaN
-    from then on, and so is every loss from update 1. Nothing finite is left to checkpoint."""
-    config = parse_config(Config, PRESETS, [*tiny_ppo_args, "--vf-coef", "1e38"])
-    with pytest.raises(SystemExit) as exit_info:
-        run_training(config, purejaxrl_ppo.make_train, purejaxrl_ppo.validate)
-    assert exit_info.value.code == 3
-    (run_dir,) = Path(tiny_ppo_args[-1]).iterdir()
-    assert capsys.readouterr().err.strip().splitlines() == [
-        f"diverged: policy_loss is nan at update 1; no checkpoint before it -> {run_dir}"
-    ]
-    assert not (run_dir / "checkpoints").exists()
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["diverged"] == {"metric": "policy_loss", "update": 1, "seed": 1}
-    assert len((run_dir / "metrics.csv").read_text().splitlines()) == 1 + 2  # the first chunk
+def train_one_update(monkeypatch, config, **env_params):
+    """One update step of the real trainer, with these gymnax env params replaced, watched from
+    outside: its state before and after, the rollout it collected and the advantages and targets
+    it learned from (as `rollout_targets` returned them) and every action its environments
+    received. Leaves without the device axis."""
+    seen = {"env_actions": []}
+    make_env, targets_of = purejaxrl_ppo.make_env, purejaxrl_ppo.rollout_targets
+
+    class ActionRecorder:
+        """The environment, recording every action it receives."""
+
+        def __init__(self, env):
+            self.env = env
+
+        def __getattr__(self, name):
+            return getattr(self.env, name)
+
+        def step(self, key, state, action, params):
+            jax.debug.callback(seen["env_actions"].append, action)
+            return self.env.step(key, state, action, params)
+
+    def make_watched_env(name):
+        env, params, spec = make_env(name)
+        return ActionRecorder(env), params.replace(**env_params), spec
+
+    def watched_targets(traj, last_value, final_values, gamma, gae_lambda):
+        advantages, targets = targets_of(traj, last_value, final_values, gamma, gae_lambda)
+        jax.debug.callback(
+            lambda traj, advantages, targets: seen.update(
+                rollout=traj, advantages=advantages, targets=targets
+            ),
+            traj,
+            advantages,
+            targets,
+        )
+        return advantages, targets
+
+    monkeypatch.setattr(purejaxrl_ppo, "make_env", make_watched_env)
+    monkeypatch.setattr(purejaxrl_ppo, "rollout_targets", watched_targets)
+    trainer = purejaxrl_ppo.make_train(config)
+    assert trainer.num_updates == 1
+    on_device = functools.partial(jax.vmap, axis_name=DEVICE_AXIS)  # the device axis, size 1
+    start = on_device(trainer.init, in_axes=(0, None))(
+        jax.random.PRNGKey(0)[None], trainer.hyperparams
+    )
+    end, _ = jax.jit(on_device(lambda state: trainer.train_chunk(state, 1)))(start)
+    jax.effects_barrier()
+    assert "rollout" in seen, "the update step no longer calls purejaxrl_ppo.rollout_targets"
+    without_device_axis = functools.partial(jax.tree.map, lambda x: np.asarray(x[0]))
+    return {**seen, "start": without_device_axis(start), "end": without_device_axis(end)}
 
 
-def test_a_finished_run_is_evaluated_again_when_asked(tiny_ppo_args, capsys):
-    """--resume of a finished run with --eval-episodes: the same evaluation again, of the
-    checkpoint's state with the same keys, gives the same summary, number for number."""
-    make_train, validate = purejaxrl_ppo.make_train, purejaxrl_ppo.validate
-    trained = run_training(parse_config(Config, PRESETS, tiny_ppo_args), make_train, validate)
-    args = ["--resume", trained["run_dir"], "--eval-episodes", "2"]
-    again = run_training(parse_config(Config, PRESETS, args), make_train, validate)
-    assert again == trained
-    assert "re-evaluated update 8 with --eval-episodes 2: eval return" in capsys.readouterr().out
+def network_of(config):
+    spec = env_spec(config.env)
+    return ActorCritic(
+        spec.num_actions,
+        spec.discrete,
+        len(spec.obs_shape),
+        config.hidden_size,
+        config.activation,
+        config.torso,
+    )
+
+
+def test_update_step_bootstraps_truncations_from_the_final_observation(monkeypatch):
+    """CartPole cut off after 20 steps: the advantages and targets the update step learns from
+    are textbook GAE of the rollout it collected, where a truncated step bootstraps from the
+    value of its final observation (before the automatic reset), the rollout's last step from
+    the value of the observation after it, and a terminated step from nothing."""
+    config = purejaxrl_ppo.Config(
+        num_envs=4, num_steps=64, num_minibatches=2, update_epochs=1, total_timesteps=256
+    )
+    seen = train_one_update(monkeypatch, config, max_steps_in_episode=20)
+    traj, params = seen["rollout"], seen["start"].params
+    terminated, truncated = traj.terminated > 0, traj.truncated > 0
+    # Every case occurs: terminations and truncations before the last step, and environments
+    # whose episode runs on past the rollout.
+    assert terminated[:-1].any() and (truncated & ~terminated)[:-1].any()
+    assert not (terminated | truncated)[-1].all()
+
+    # CartPole's observation is its state: the observation each step ended in, before any
+    # reset, is one step of its dynamics from the observation acted on.
+    env, env_params = gymnax.make("CartPole-v1")
+
+    def stepped(obs, action):
+        x, x_dot, theta, theta_dot = obs
+        state = cartpole.EnvState(x=x, x_dot=x_dot, theta=theta, theta_dot=theta_dot, time=0)
+        return env.step_env(jax.random.PRNGKey(0), state, action, env_params)[0]
+
+    final_obs = jax.vmap(jax.vmap(stepped))(traj.obs, traj.action)
+    np.testing.assert_allclose(traj.final_obs, final_obs, rtol=1e-5, atol=1e-6)
+
+    network = network_of(config)
+
+    def value(obs):
+        return np.asarray(network.apply(params, obs, method=ActorCritic.value), np.float64)
+
+    np.testing.assert_allclose(traj.value, value(traj.obs), rtol=1e-5, atol=1e-6)
+    advantages, targets = gae_reference(
+        traj.reward,
+        traj.value,
+        value(seen["end"].obs),  # learning leaves the environments where the rollout ended
+        value(final_obs),
+        terminated,
+        truncated,
+        config.gamma,
+        config.gae_lambda,
+    )
+    np.testing.assert_allclose(seen["advantages"], advantages, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(seen["targets"], targets, rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Continuous actions
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pendulum_update():
+    config = purejaxrl_ppo.Config(
+        env="Pendulum",
+        num_envs=4,
+        num_steps=64,
+        num_minibatches=2,
+        update_epochs=2,
+        total_timesteps=256,
+        ent_coef=0.0,  # the continuous preset's: log_std learns from the policy loss alone
+    )
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        return config, train_one_update(monkeypatch, config)
+
+
+def test_gaussian_policy_samples_have_the_mean_and_std_the_network_gives(pendulum_update):
+    config, seen = pendulum_update
+    network = network_of(config)
+    obs = seen["rollout"].obs[0, :3]  # three Pendulum states
+    params = jax.tree.map(jnp.asarray, seen["start"].params)  # a copy
+    # Means well apart (the policy head starts at gain 0.01) and a std other than 1.
+    params["params"]["actor"]["layers_5"]["kernel"] *= 100
+    params["params"]["log_std"] = jnp.log(jnp.array([0.3]))
+    n = 50_000
+    pi = network.apply(params, jnp.repeat(obs, n, axis=0), method=ActorCritic.policy)
+    samples = np.asarray(pi.sample(jax.random.PRNGKey(2))).reshape(3, n)
+    mean = np.asarray(pi.mean).reshape(3, n)[:, 0]
+    std = np.exp(np.asarray(pi.log_std).reshape(3, n)[:, 0])
+    np.testing.assert_allclose(std, 0.3, rtol=1e-6)
+    # Five standard errors: of a mean, std / sqrt(n); of a normal sample's std, std / sqrt(2n).
+    mean_error, std_error = 5 * 0.3 / np.sqrt(n), 5 * 0.3 / np.sqrt(2 * n)
+    assert np.ptp(mean) > 20 * mean_error
+    np.testing.assert_allclose(samples.mean(1), mean, rtol=0, atol=mean_error)
+    np.testing.assert_allclose(samples.std(1), std, rtol=0, atol=std_error)
+
+
+def test_continuous_actions_are_clipped_for_the_env_only(pendulum_update):
+    """Pendulum's torque bounds are [-2, 2]: the environments receive the sampled actions
+    clipped to them, while the rollout keeps the sample and the log probability of it."""
+    config, seen = pendulum_update
+    traj = seen["rollout"]
+    assert (np.abs(traj.action) > 2).any()  # the Gaussian (std 1 at first) samples beyond them
+    received = np.sort(np.concatenate([np.ravel(a) for a in seen["env_actions"]]))
+    np.testing.assert_array_equal(received, np.sort(np.clip(traj.action, -2, 2).ravel()))
+    pi = network_of(config).apply(seen["start"].params, traj.obs, method=ActorCritic.policy)
+    log_prob = stats.norm(pi.mean, np.exp(pi.log_std)).logpdf(traj.action).sum(-1)
+    np.testing.assert_allclose(traj.log_prob, log_prob, rtol=1e-5, atol=1e-5)
+
+
+def test_log_std_is_one_learned_parameter_for_every_state_starting_at_0(pendulum_update):
+    config, seen = pendulum_update
+    start, end = seen["start"].params, seen["end"].params
+    np.testing.assert_array_equal(start["params"]["log_std"], np.zeros(1))
+    # The update moved it (Adam's first steps are about the learning rate each)...
+    learned = end["params"]["log_std"]
+    assert np.abs(learned).min() > 0.1 * config.learning_rate
+    # ... and the policy's log std is that parameter in every state.
+    pi = network_of(config).apply(end, seen["rollout"].obs, method=ActorCritic.policy)
+    np.testing.assert_array_equal(pi.log_std, np.broadcast_to(learned, pi.log_std.shape))
