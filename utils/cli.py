@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import tyro
 
+from utils import interrupts
 from utils.envs import env_family, resolve_env_id
 from utils.errors import ConfigError
 
@@ -174,13 +175,11 @@ def require_in(config, name: str, low: float, high: float = math.inf, *, above_l
 
 @contextlib.contextmanager
 def exit_on_config_error():
-    """Turn a ConfigError into one line on stderr and exit code 2, and a Ctrl-C before the run
-    has started (the driver handles the ones after) into one line and exit code 130."""
+    """The command line's exits: a ConfigError is one line on stderr and exit code 2; Ctrl-C or
+    SIGTERM, one line and exit code 130 (utils/interrupts.py)."""
+    interrupts.exit_at_once_on_stop_signals()
     try:
         yield
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt:
-        print("\ninterrupted before the run started", file=sys.stderr)
-        sys.exit(130)

@@ -33,7 +33,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from utils import checkpoint
+from utils import checkpoint, interrupts
 from utils.devices import (
     DEVICE_AXIS,
     process_group,
@@ -454,6 +454,7 @@ class _ChunkRunner:
             pmapped = jax.pmap(_over_runs(chunk, self.plan.num_runs), axis_name=DEVICE_AXIS)
             compiled = pmapped.lower(state).compile()
             self.clock.compile_seconds += time.perf_counter() - start
+            interrupts.check()  # a stop asked for while compiling: before the chunk runs
             # A compiled pmap takes global arrays only; with several processes the pmapped
             # function converts this process's arrays and reuses the compilation.
             self.compiled[num_updates] = pmapped if self.plan.multi_process else compiled
@@ -467,22 +468,23 @@ class _ChunkRunner:
 
 def train_in_chunks(plan: RunPlan, state, start_update: int, clock: _Clock, wandb_sink):
     """Train to the last update, one compiled chunk at a time. After each chunk, and only there,
-    process 0 appends to metrics.csv and wandb, writes records and saves a checkpoint. Ctrl-C
-    saves a checkpoint and exits 130. Returns the final state."""
+    process 0 appends to metrics.csv and wandb, writes records and saves a checkpoint. A stop
+    signal takes effect there too (utils/interrupts.py). Returns the final state."""
     trainer, is_main = plan.trainer, plan.is_main
     run_chunk = _ChunkRunner(plan, clock)
     metrics_csv = None
     progress = _Progress(
         plan.config.progress and is_main, trainer.num_updates, start_update, trainer.env_id, trainer
     )
-    update = saved_update = start_update
+    update = start_update
     try:
         while update < trainer.num_updates:
+            interrupts.check()
             num_updates = min(plan.chunk_len, trainer.num_updates - update)
             new_state, metrics = run_chunk(state, num_updates)
             # the first run's records
             records = {k: metrics.pop(k)[0] for k in list(metrics) if k.startswith("record_")}
-            with checkpoint.defer_interrupts():  # logs and checkpoint of a chunk land together
+            with interrupts.held():  # logs and checkpoint of a chunk land together
                 state, first_update = new_state, update + 1
                 update += num_updates
                 if is_main:
@@ -497,7 +499,6 @@ def train_in_chunks(plan: RunPlan, state, start_update: int, clock: _Clock, wand
                     if wandb_sink is not None:
                         wandb_sink.log(first_update, trainer.steps_per_update, metrics)
                     checkpoint.save(plan.checkpoint_dir, update, state, clock.totals(update))
-                    saved_update = update
             if is_main and records and trainer.write_records is not None:
                 written = trainer.write_records(plan.run_dir, update, records)
                 if wandb_sink is not None:
@@ -506,30 +507,30 @@ def train_in_chunks(plan: RunPlan, state, start_update: int, clock: _Clock, wand
             last_values = metrics[trainer.headline_metric][:, -1]
             mean_value = np.nanmean(last_values) if np.isfinite(last_values).any() else np.nan
             progress.update(update, mean_value, done_steps / max(clock.train_seconds, 1e-9))
-    except KeyboardInterrupt:
-        if is_main and update > saved_update:  # the chunk's outputs landed, its checkpoint not
-            checkpoint.save(plan.checkpoint_dir, update, state, clock.totals(update))
-        raise
     finally:
         progress.close()
     return state
 
 
-def _exit_interrupted(plan: RunPlan) -> None:
-    """After Ctrl-C or SIGTERM: one line and exit code 130. With a checkpoint, how to resume;
-    a new run stopped before its first checkpoint leaves no directory behind."""
+def _interrupted(plan: RunPlan) -> str:
+    """The line a stopped run ends with. With a checkpoint, how to resume; a new run stopped
+    before its first checkpoint leaves no directory behind."""
     update = checkpoint.latest_update(plan.checkpoint_dir) if plan.is_main else None
     if not plan.is_main or plan.multi_process:
-        message = f"interrupted after update {update}" if update else "interrupted"
-    elif update is not None:
-        message = f"interrupted after update {update}; continue with --resume {plan.run_dir}"
-    elif plan.config.resume is None:
+        return f"interrupted after update {update}" if update else "interrupted"
+    if os.path.exists(os.path.join(plan.run_dir, "summary.json")):
+        return f"interrupted after the run finished -> {plan.run_dir}"
+    if update is not None:
+        return f"interrupted after update {update}; continue with --resume {plan.run_dir}"
+    if plan.config.resume is None:
         shutil.rmtree(plan.run_dir, ignore_errors=True)
-        message = f"interrupted before the first checkpoint; removed {plan.run_dir}"
-    else:
-        message = "interrupted before the first checkpoint"
-    print(f"\n{message}", file=sys.stderr)
-    sys.exit(130)
+        return f"interrupted before the first checkpoint; removed {plan.run_dir}"
+    return "interrupted before the first checkpoint"
+
+
+def _exit_interrupted(plan: RunPlan) -> None:
+    """After Ctrl-C or SIGTERM: one line and exit code 130."""
+    interrupts.exit_interrupted(functools.partial(_interrupted, plan))
 
 
 def _evaluate_final(plan: RunPlan, state, clock: _Clock) -> np.ndarray | None:
@@ -652,6 +653,7 @@ def report(plan: RunPlan, state, start_update: int, clock: _Clock, wandb_sink) -
     return summary
 
 
+@interrupts.stop_at_safe_points()
 def run_training(config, make_train: Callable, validate: Callable, return_state: bool = False):
     """Plan, start or resume, train in chunks and report (utils/trainer.py has the contract
     `make_train` and `validate` follow). Returns the summary dict (None on the processes other
@@ -659,20 +661,23 @@ def run_training(config, make_train: Callable, validate: Callable, return_state:
     state, leaves [local devices, runs, ...]."""
     clock = _Clock(wall_start=time.perf_counter())
     plan = plan_runs(config, make_train, validate)
+    interrupts.exit_says(functools.partial(_interrupted, plan))
     finished = plan.resume_update == plan.trainer.num_updates
     if finished and os.path.exists(os.path.join(plan.run_dir, "summary.json")):
         print(f"{plan.trainer.algo} {plan.trainer.env_id}: already complete -> {plan.run_dir}")
         with open(os.path.join(plan.run_dir, "summary.json")) as f:
             summary = json.load(f)
         return (summary, None) if return_state else summary
-    with _run_lock(plan.run_dir), checkpoint.stop_signals_interrupt():
+    with _run_lock(plan.run_dir):
         try:
+            interrupts.check()  # a stop asked for while planning
             state, start_update = start_or_resume(plan, clock)
             wandb_sink = _wandb_sink(plan)
             state = train_in_chunks(plan, state, start_update, clock, wandb_sink)
+            interrupts.check()
+            summary = report(plan, state, start_update, clock, wandb_sink) if plan.is_main else None
         except KeyboardInterrupt:
             _exit_interrupted(plan)
-        summary = report(plan, state, start_update, clock, wandb_sink) if plan.is_main else None
     if not plan.is_main:
         print(
             f"{plan.trainer.algo} {plan.trainer.env_id}: process {jax.process_index()} of "
