@@ -175,11 +175,17 @@ def require_in(config, name: str, low: float, high: float = math.inf, *, above_l
 
 @contextlib.contextmanager
 def exit_on_config_error():
-    """The command line's exits: a ConfigError is one line on stderr and exit code 2; Ctrl-C or
-    SIGTERM, one line and exit code 130 (utils/interrupts.py)."""
+    """The command line around a trainer's run, which ends the process: a ConfigError is one
+    line on stderr and exit code 2; Ctrl-C or SIGTERM at any moment, one line and exit code 130
+    (utils/interrupts.py, whose `end_process` skips the interpreter's teardown)."""
     interrupts.exit_at_once_on_stop_signals()
     try:
         yield
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+        interrupts.end_process(2)
+    except SystemExit as exit_request:  # an interrupted run's 130, --help's 0, tyro's 2
+        if not isinstance(exit_request.code, int | None):
+            raise
+        interrupts.end_process(exit_request.code or 0)
+    interrupts.end_process(0)

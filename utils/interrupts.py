@@ -20,6 +20,7 @@ as well; imported by anything else (a notebook, the tests), it changes nothing u
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
@@ -182,6 +183,18 @@ def exit_interrupted(line: Callable[[], str]) -> None:
         _say(line())
         exit_says(_said_already)
     sys.exit(130)
+
+
+def end_process(code: int) -> None:
+    """Exit with `code` once the output is flushed and atexit's functions (wandb's, JAX's) have
+    run, skipping the interpreter's teardown: it takes seconds with XLA's threads still
+    running, has been seen to crash, and a signal arriving during it would find Python's
+    default handlers back."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def keep_pending_across_exec() -> None:
