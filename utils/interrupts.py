@@ -7,8 +7,10 @@ had happened). Here a stop signal raises nothing:
 
 - Before a run has started (imports, flags) nothing is lost: the process exits at once.
 - While `run_training` runs, the first signal asks for a stop, which the driver makes at its
-  next safe point (`check`: after a compile returns, between chunks), checkpoint first. A
-  second signal exits at once, though after a checkpoint write in progress (`held`).
+  next safe point (`check`: after a compile returns, between chunks, after the final report),
+  checkpoint first. A second signal exits at once, though after a checkpoint write in
+  progress (`held`).
+- The command line then ends its process with `end_process`, without Python's teardown.
 
 A thread reads the signals from the interpreter's wakeup fd: a Python signal handler runs only
 once the main thread is back in Python, which a long compile or chunk delays by minutes.
@@ -33,10 +35,6 @@ from collections.abc import Callable
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 _BEFORE_THE_RUN = "interrupted before the run started"
-
-
-def _said_already() -> str:
-    return ""
 
 
 class _State:
@@ -142,8 +140,10 @@ def exit_at_once_on_stop_signals() -> None:
 @contextlib.contextmanager
 def stop_at_safe_points():
     """Inside the block a stop signal only asks for a stop, which `check` then raises as
-    KeyboardInterrupt; a second signal exits at once, saying `exit_says`'s line."""
-    give_back = (lambda: None) if _state.for_good else _take_over()
+    KeyboardInterrupt; a second signal exits at once, saying `exit_says`'s line. A trainer
+    script took the signals over at start-up already; they are taken again here because
+    jax.distributed.initialize, since then, gives SIGTERM to JAX's preemption notifier."""
+    give_back = _take_over()
     _state.at_safe_points, _state.requested, _state.said = True, None, False
     exit_says(lambda: _BEFORE_THE_RUN)
     try:
@@ -152,9 +152,6 @@ def stop_at_safe_points():
             exit_interrupted(_state.exit_line)
     finally:
         _state.at_safe_points = False
-        with _state.hold:
-            if _state.exit_line is not _said_already:
-                exit_says(lambda: "interrupted while exiting")
         give_back()
 
 
@@ -181,7 +178,7 @@ def exit_interrupted(line: Callable[[], str]) -> None:
     code 130. A further signal then exits without a word."""
     with _state.hold:
         _say(line())
-        exit_says(_said_already)
+        exit_says(lambda: "")
     sys.exit(130)
 
 
