@@ -31,6 +31,9 @@ value 0 with discount 0 at and past the end of a game.
 
 from __future__ import annotations
 
+# First of all: from here on a Ctrl-C, even during the slow imports below, exits with one line.
+import utils.interrupts  # noqa: F401  # isort: skip
+
 import dataclasses
 import functools
 from typing import Literal, NamedTuple

@@ -17,6 +17,9 @@ DQN iteration: every environment takes `train_frequency` epsilon-greedy steps in
 
 from __future__ import annotations
 
+# First of all: from here on a Ctrl-C, even during the slow imports below, exits with one line.
+import utils.interrupts  # noqa: F401  # isort: skip
+
 import dataclasses
 import functools
 from typing import Literal, NamedTuple

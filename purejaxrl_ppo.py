@@ -10,6 +10,9 @@ is one PPO iteration: rollout -> GAE -> epochs x shuffled minibatches of Adam st
 
 from __future__ import annotations
 
+# First of all: from here on a Ctrl-C, even during the slow imports below, exits with one line.
+import utils.interrupts  # noqa: F401  # isort: skip
+
 import dataclasses
 from typing import Literal, NamedTuple
 

@@ -3,6 +3,7 @@
 import csv
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -65,22 +66,47 @@ TINY_AZ = [
 LLVM_LEVEL_FLAG = "--xla_backend_optimization_level"
 
 
-def run_script(*args, devices=1, timeout=300, env_extra=None, llvm_level=None):
-    """Run `python <args>` from the repo root in a fresh process (fake CPU devices if asked),
-    at the session's LLVM optimisation level unless `llvm_level` names another."""
+def _script_env(devices=1, env_extra=None, llvm_level=None) -> dict:
+    """The environment of a script run: fake CPU devices, the session's LLVM optimisation level
+    unless `llvm_level` names another."""
     xla_flags = xla_flags_with_cpu_devices(devices)
     if llvm_level is not None:
         xla_flags = xla_flags_with(LLVM_LEVEL_FLAG, llvm_level, xla_flags)
-    env = {**os.environ, "XLA_FLAGS": xla_flags}
-    env.update(env_extra or {})
+    return {**os.environ, "XLA_FLAGS": xla_flags, **(env_extra or {})}
+
+
+def run_script(*args, devices=1, timeout=300, env_extra=None, llvm_level=None):
+    """Run `python <args>` from the repo root in a fresh process (fake CPU devices if asked),
+    at the session's LLVM optimisation level unless `llvm_level` names another."""
     return subprocess.run(
         [sys.executable, *args],
         cwd=REPO,
-        env=env,
+        env=_script_env(devices, env_extra, llvm_level),
         capture_output=True,
         text=True,
         timeout=timeout,
     )
+
+
+def start_script(*args, env_extra=None) -> subprocess.Popen:
+    """Start `python <args>` as `run_script` would, without waiting: stderr is a text pipe.
+    Ctrl-C reaches it as from a terminal, even where a shell script started this process in
+    the background, which makes it and its children ignore SIGINT."""
+    ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    if ignored:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # what a child inherits, not a handler
+    try:
+        return subprocess.Popen(
+            [sys.executable, *args],
+            cwd=REPO,
+            env=_script_env(env_extra=env_extra),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    finally:
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def summary_of_only_run(runs_dir: Path) -> dict:

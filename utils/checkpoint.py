@@ -3,7 +3,7 @@
 Each checkpoint is a directory `checkpoints/update_XXXXXXXX`. Orbax writes it under a
 temporary name and renames it when complete, so a crash mid-write leaves the previous
 checkpoint intact; older checkpoints are deleted only after the new one is in place.
-Ctrl-C or SIGTERM during a write is held back until the write has finished.
+Ctrl-C or SIGTERM during a write lets the write finish (utils/interrupts.py).
 """
 
 from __future__ import annotations
@@ -13,71 +13,16 @@ import logging
 import os
 import re
 import shutil
-import signal
 import sys
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from utils import interrupts
 from utils.errors import ConfigError
 
 _NAME = re.compile(r"^update_(\d{8})$")
-
-
-_deferring = False
-
-
-# The signals that stop a run: Ctrl-C, and SIGTERM, which SLURM and Kubernetes send first.
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-def _raise_interrupt(*_):
-    raise KeyboardInterrupt
-
-
-@contextlib.contextmanager
-def stop_signals_interrupt():
-    """Inside the block, SIGTERM raises KeyboardInterrupt as Ctrl-C does, so that a run stopped
-    by its scheduler saves a checkpoint and says how to resume."""
-    try:
-        previous = signal.signal(signal.SIGTERM, _raise_interrupt)
-    except ValueError:  # not the main thread
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-@contextlib.contextmanager
-def defer_interrupts():
-    """Hold a Ctrl-C or SIGTERM that arrives inside the block and raise KeyboardInterrupt once
-    the block is done.
-
-    Nested blocks defer to the outermost one, so the interrupt surfaces only when all the
-    work they guard has finished.
-    """
-    global _deferring
-    if _deferring:
-        yield
-        return
-    received = []
-    try:
-        previous = {s: signal.signal(s, lambda *_: received.append(True)) for s in STOP_SIGNALS}
-    except ValueError:  # not the main thread: signals cannot be caught here anyway
-        yield
-        return
-    _deferring = True
-    try:
-        yield
-    finally:
-        _deferring = False
-        for stop_signal, handler in previous.items():
-            signal.signal(stop_signal, handler)
-        if received:
-            raise KeyboardInterrupt
 
 
 def _checkpoints(directory: str) -> list[tuple[int, str]]:
@@ -95,7 +40,7 @@ def save(directory: str, update: int, state, meta: dict) -> str:
         "meta": {k: np.asarray(v) for k, v in meta.items()},
     }
     path = os.path.join(os.path.abspath(directory), f"update_{update:08d}")
-    with defer_interrupts():
+    with interrupts.held():
         if not os.path.exists(path):
             with _failure_as_one_os_error(path):
                 _checkpointer().save(path, tree)

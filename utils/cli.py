@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import tyro
 
+from utils import interrupts
 from utils.envs import env_family, resolve_env_id
 from utils.errors import ConfigError, OutputError
 from utils.logs import read_json
@@ -198,17 +199,21 @@ def require_in(config, name: str, low: float, high: float = math.inf, *, above_l
 
 @contextlib.contextmanager
 def exit_on_config_error():
-    """Turn a ConfigError into one line on stderr and exit code 2, an OutputError (a file of
-    the run that could not be written) into one line and exit code 1, and a Ctrl-C before the
-    run has started (the driver handles the ones after) into one line and exit code 130."""
+    """The command line around a trainer's run, which ends the process: a ConfigError is one
+    line on stderr and exit code 2; an OutputError (a file of the run that could not be
+    written), one line and exit code 1; Ctrl-C or SIGTERM at any moment, one line and exit code
+    130 (utils/interrupts.py, whose `end_process` skips the interpreter's teardown)."""
+    interrupts.exit_at_once_on_stop_signals()
     try:
         yield
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+        interrupts.end_process(2)
     except OutputError as error:
         print(f"error: {error}", file=sys.stderr)
-        sys.exit(1)
-    except KeyboardInterrupt:
-        print("\ninterrupted before the run started", file=sys.stderr)
-        sys.exit(130)
+        interrupts.end_process(1)
+    except SystemExit as exit_request:  # an interrupted run's 130, --help's 0, tyro's 2
+        if not isinstance(exit_request.code, int | None):
+            raise
+        interrupts.end_process(exit_request.code or 0)
+    interrupts.end_process(0)

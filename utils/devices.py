@@ -8,6 +8,7 @@ import sys
 
 import jax
 
+from utils import interrupts
 from utils.errors import ConfigError
 
 # The pmap axis over devices; trainers average their gradients over it with `device_mean`.
@@ -159,6 +160,7 @@ def split_cpu_host(num_cpu_devices: int, processes: dict | None = None) -> None:
         command = [sys.executable, "-c", _LAUNCHER, *sys.orig_argv[1:]]
     sys.stdout.flush()
     sys.stderr.flush()
+    interrupts.keep_pending_across_exec()
     os.execv(sys.executable, command)
 
 
@@ -178,6 +180,7 @@ _PROCESSES = "PUREJAXRL_PROCESSES"
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _LAUNCHER = (
     f"import sys; sys.path.insert(0, {_REPO!r}); "
+    "from utils.interrupts import exit_at_once_on_stop_signals; exit_at_once_on_stop_signals(); "
     "from utils.devices import join_processes_and_run; join_processes_and_run()"
 )
 

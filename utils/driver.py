@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from utils import checkpoint
+from utils import checkpoint, interrupts
 from utils.cli import EVAL_SIZE_FIELDS
 from utils.devices import (
     DEVICE_AXIS,
@@ -507,6 +507,7 @@ class _ChunkRunner:
             pmapped = jax.pmap(_over_runs(chunk, self.plan.num_runs), axis_name=DEVICE_AXIS)
             compiled = pmapped.lower(state).compile()
             self.clock.compile_seconds += time.perf_counter() - start
+            interrupts.check()  # a stop asked for while compiling: before the chunk runs
             # A compiled pmap takes global arrays only; with several processes the pmapped
             # function converts this process's arrays and reuses the compilation.
             self.compiled[num_updates] = pmapped if self.plan.multi_process else compiled
@@ -580,10 +581,10 @@ class _DivergenceGuard:
 
 def train_in_chunks(plan: RunPlan, state, start_update: int, clock: _Clock, wandb_sink):
     """Train to the last update, one compiled chunk at a time. After each chunk, and only there,
-    process 0 appends to metrics.csv and wandb, writes records and saves a checkpoint. Ctrl-C
-    saves a checkpoint and exits 130. A chunk in which a run diverged (_DivergenceGuard; off
-    with --allow-nonfinite) is logged but not kept: training stops at the last finite state.
-    Returns (that state, the Divergence or None)."""
+    process 0 appends to metrics.csv and wandb, writes records and saves a checkpoint; a stop
+    signal takes effect there too (utils/interrupts.py). A chunk in which a run diverged
+    (_DivergenceGuard; off with --allow-nonfinite) is logged but not kept: training stops at the
+    last finite state. Returns (that state, the Divergence or None)."""
     trainer, is_main = plan.trainer, plan.is_main
     run_chunk = _ChunkRunner(plan, clock)
     guard = None if plan.config.allow_nonfinite else _DivergenceGuard(plan)
@@ -592,16 +593,17 @@ def train_in_chunks(plan: RunPlan, state, start_update: int, clock: _Clock, wand
     progress = _Progress(
         plan.config.progress and is_main, trainer.num_updates, start_update, trainer.env_id, trainer
     )
-    update = saved_update = start_update
+    update = start_update
     try:
         while update < trainer.num_updates:
+            interrupts.check()
             num_updates = min(plan.chunk_len, trainer.num_updates - update)
             new_state, metrics = run_chunk(state, num_updates)
             # the first run's records
             records = {k: metrics.pop(k)[0] for k in list(metrics) if k.startswith("record_")}
             first_update = update + 1
             divergence = guard(new_state, metrics, first_update) if guard else None
-            with checkpoint.defer_interrupts():  # logs and checkpoint of a chunk land together
+            with interrupts.held():  # logs and checkpoint of a chunk land together
                 if is_main:
                     if metrics_csv is None:
                         metrics_csv = MetricsCsv(
@@ -619,7 +621,6 @@ def train_in_chunks(plan: RunPlan, state, start_update: int, clock: _Clock, wand
                 update += num_updates
                 if is_main:
                     checkpoint.save(plan.checkpoint_dir, update, state, clock.totals(update))
-                    saved_update = update
             if is_main and records and trainer.write_records is not None:
                 with naming_the_file(os.path.join(plan.run_dir, "games")):
                     written = trainer.write_records(plan.run_dir, update, records)
@@ -629,30 +630,30 @@ def train_in_chunks(plan: RunPlan, state, start_update: int, clock: _Clock, wand
             last_values = metrics[trainer.headline_metric][:, -1]
             mean_value = np.nanmean(last_values) if np.isfinite(last_values).any() else np.nan
             progress.update(update, mean_value, done_steps / max(clock.train_seconds, 1e-9))
-    except KeyboardInterrupt:
-        if is_main and update > saved_update:  # the chunk's outputs landed, its checkpoint not
-            checkpoint.save(plan.checkpoint_dir, update, state, clock.totals(update))
-        raise
     finally:
         progress.close()
     return state, divergence
 
 
-def _exit_interrupted(plan: RunPlan) -> None:
-    """After Ctrl-C or SIGTERM: one line and exit code 130. With a checkpoint, how to resume;
-    a new run stopped before its first checkpoint leaves no directory behind."""
+def _interrupted(plan: RunPlan) -> str:
+    """The line a stopped run ends with. With a checkpoint, how to resume; a new run stopped
+    before its first checkpoint leaves no directory behind."""
     update = checkpoint.latest_update(plan.checkpoint_dir) if plan.is_main else None
     if not plan.is_main or plan.multi_process:
-        message = f"interrupted after update {update}" if update else "interrupted"
-    elif update is not None:
-        message = f"interrupted after update {update}; continue with --resume {plan.run_dir}"
-    elif plan.config.resume is None:
+        return f"interrupted after update {update}" if update else "interrupted"
+    if os.path.exists(os.path.join(plan.run_dir, "summary.json")):
+        return f"interrupted after the run finished -> {plan.run_dir}"
+    if update is not None:
+        return f"interrupted after update {update}; continue with --resume {plan.run_dir}"
+    if plan.config.resume is None:
         shutil.rmtree(plan.run_dir, ignore_errors=True)
-        message = f"interrupted before the first checkpoint; removed {plan.run_dir}"
-    else:
-        message = "interrupted before the first checkpoint"
-    print(f"\n{message}", file=sys.stderr)
-    sys.exit(130)
+        return f"interrupted before the first checkpoint; removed {plan.run_dir}"
+    return "interrupted before the first checkpoint"
+
+
+def _exit_interrupted(plan: RunPlan) -> None:
+    """After Ctrl-C or SIGTERM: one line and exit code 130."""
+    interrupts.exit_interrupted(functools.partial(_interrupted, plan))
 
 
 def _evaluate_final(plan: RunPlan, state, clock: _Clock) -> np.ndarray | None:
@@ -895,6 +896,7 @@ def _reevaluation_line(plan: RunPlan, summary: dict) -> str:
     )
 
 
+@interrupts.stop_at_safe_points()
 def run_training(config, make_train: Callable, validate: Callable, return_state: bool = False):
     """Plan, start or resume, train in chunks and report (utils/trainer.py has the contract
     `make_train` and `validate` follow). Returns the summary dict (None on the processes other
@@ -904,6 +906,7 @@ def run_training(config, make_train: Callable, validate: Callable, return_state:
     with an evaluation size (`config.reevaluate`), evaluates the final state again."""
     clock = _Clock(wall_start=time.perf_counter())
     plan = plan_runs(config, make_train, validate)
+    interrupts.exit_says(functools.partial(_interrupted, plan))
     finished = plan.resume_update == plan.trainer.num_updates
     if finished and os.path.exists(os.path.join(plan.run_dir, "summary.json")):
         summary = read_json(os.path.join(plan.run_dir, "summary.json"), "--resume")
@@ -913,17 +916,19 @@ def run_training(config, make_train: Callable, validate: Callable, return_state:
         else:
             print(f"{plan.trainer.algo} {plan.trainer.env_id}: already complete -> {plan.run_dir}")
         return (summary, None) if return_state else summary
-    with _run_lock(plan.run_dir), checkpoint.stop_signals_interrupt():
+    with _run_lock(plan.run_dir):
         try:
+            interrupts.check()  # a stop asked for while planning
             state, start_update = start_or_resume(plan, clock)
             wandb_sink = _wandb_sink(plan)
             state, divergence = train_in_chunks(plan, state, start_update, clock, wandb_sink)
+            interrupts.check()
+            if plan.is_main:
+                summary = report(plan, state, start_update, clock, wandb_sink, divergence)
+            else:
+                summary = None
         except KeyboardInterrupt:
             _exit_interrupted(plan)
-        if plan.is_main:
-            summary = report(plan, state, start_update, clock, wandb_sink, divergence)
-        else:
-            summary = None
     if not plan.is_main:
         print(
             f"{plan.trainer.algo} {plan.trainer.env_id}: process {jax.process_index()} of "

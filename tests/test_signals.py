@@ -1,0 +1,206 @@
+"""Ctrl-C and SIGTERM, sent for real to trainer processes at each moment of a run: exit code 130
+and one line on stderr (after the notice of a stop at the next safe point), never a traceback;
+no run directory without a checkpoint; with one, a resume in a fresh process that ends exactly
+where an uninterrupted run ends."""
+
+import glob
+import json
+import os
+import signal
+import time
+
+import pytest
+
+import purejaxrl_dqn
+import purejaxrl_ppo
+from tests.helpers import (
+    TINY_DQN,
+    TINY_PPO,
+    assert_identical_runs,
+    checkpoint_leaves,
+    run_script,
+    start_script,
+)
+from utils.cli import parse_config
+from utils.driver import run_training
+
+# Short chunks, each followed by a checkpoint: PPO 12 updates in 12 chunks, DQN 32 in 8.
+PPO_ARGS = ["--env", "CartPole", *TINY_PPO, "--total-timesteps", "768", "--updates-per-chunk", "1"]
+DQN_ARGS = [*TINY_DQN, "--updates-per-chunk", "4"]
+TRAINERS = {"ppo": (purejaxrl_ppo, PPO_ARGS), "dqn": (purejaxrl_dqn, DQN_ARGS)}
+# A compile that cannot be a cache hit, so that a signal sent as the run starts finds it going.
+UNCACHED = {"JAX_ENABLE_COMPILATION_CACHE": "false"}
+TIMEOUT = 120
+
+
+def uninterrupted(algo: str, runs_dir) -> str:
+    """The run directory of the trainer's uninterrupted run, trained in this process."""
+    trainer, args = TRAINERS[algo]
+    config = parse_config(
+        trainer.Config, trainer.PRESETS, [*args, "--no-progress", "--runs-dir", str(runs_dir)]
+    )
+    return run_training(config, trainer.make_train, trainer.validate)["run_dir"]
+
+
+def command(algo: str, *args) -> list[str]:
+    """The trainer script and its flags, then `args`."""
+    trainer, algo_args = TRAINERS[algo]
+    return [os.path.basename(trainer.__file__), *algo_args, *args, "--no-progress"]
+
+
+@pytest.fixture
+def launch():
+    """`start_script`; a process still running at the end of the test (one that failed) is
+    killed."""
+    processes = []
+
+    def start(*args, env_extra=None):
+        processes.append(start_script(*args, env_extra=env_extra))
+        return processes[-1]
+
+    yield start
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+
+
+def wait_for(process, pattern: str) -> str:
+    """The first path matching `pattern`, as soon as it exists (the process still running)."""
+    deadline = time.monotonic() + TIMEOUT
+    while not (found := glob.glob(pattern)):
+        assert process.poll() is None, f"exited with {process.returncode}: {process.stderr.read()}"
+        assert time.monotonic() < deadline, f"no {pattern} after {TIMEOUT} s"
+        time.sleep(0.001)
+    return found[0]
+
+
+def stopped(process, stop_signal, within: float = TIMEOUT) -> list[str]:
+    """Send the signal; the process's stderr lines once it has exited, `within` seconds, with
+    code 130."""
+    process.send_signal(stop_signal)
+    stderr = process.communicate(timeout=within)[1]
+    assert process.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr[-3000:]
+    return stderr.strip().splitlines()
+
+
+def notice(stop_signal) -> str:
+    name = "Ctrl-C" if stop_signal == signal.SIGINT else "SIGTERM"
+    return f"{name}: stopping after the chunk, compile or evaluation in progress; {name} again stops at once"
+
+
+def resume_dir(line: str) -> str:
+    assert "; continue with --resume " in line, line
+    return line.split("--resume ")[-1]
+
+
+def assert_same_run(run_dir: str, uninterrupted_dir: str):
+    """The same metrics, final state and final numbers as the uninterrupted run."""
+    assert_identical_runs(uninterrupted_dir, run_dir)
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        summary = json.load(f)
+    with open(os.path.join(uninterrupted_dir, "summary.json")) as f:
+        expected = json.load(f)
+    for key in ("final_per_seed", "eval_return_per_seed", "final_metrics_per_seed"):
+        assert summary[key] == expected[key], key
+
+
+def signals_taken_over(pid: int) -> bool:
+    """Whether the process catches SIGTERM, which Python by itself does not (Linux /proc)."""
+    with open(f"/proc/{pid}/status") as f:
+        caught = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    return bool(caught & 1 << signal.SIGTERM - 1)
+
+
+def jax_loading(pid: int) -> bool:
+    """Whether the process has begun to import JAX: jaxlib's compiled library is mapped."""
+    with open(f"/proc/{pid}/maps") as f:
+        return "/jaxlib/" in f.read()
+
+
+@pytest.mark.parametrize(
+    ("stop_signal", "moment"),
+    [
+        pytest.param(signal.SIGINT, signals_taken_over, id="ctrl-c-before-jax"),
+        pytest.param(signal.SIGINT, jax_loading, id="ctrl-c-importing-jax"),
+        pytest.param(signal.SIGTERM, jax_loading, id="sigterm-importing-jax"),
+    ],
+)
+def test_a_stop_during_the_imports_exits_at_once(tmp_path, launch, stop_signal, moment):
+    """The trainer takes the signals over before its slow imports (jax, flax, gymnax): a stop
+    during them prints no traceback, and none gets lost in a weakref callback."""
+    process = launch(*command("ppo", "--runs-dir", str(tmp_path)))
+    deadline = time.monotonic() + TIMEOUT
+    while not moment(process.pid):
+        assert time.monotonic() < deadline and process.poll() is None
+        time.sleep(0.001)
+    assert moment is jax_loading or not jax_loading(process.pid)
+    assert stopped(process, stop_signal) == ["interrupted before the run started"]
+    assert not os.listdir(tmp_path)
+
+
+def test_a_stop_during_the_first_compile_lets_it_finish_and_leaves_no_directory(tmp_path, launch):
+    process = launch(*command("ppo", "--runs-dir", str(tmp_path)), env_extra=UNCACHED)
+    run_dir = os.path.dirname(wait_for(process, f"{tmp_path}/*/config.json"))
+    lines = stopped(process, signal.SIGTERM)
+    assert lines == [
+        notice(signal.SIGTERM),
+        f"interrupted before the first checkpoint; removed {run_dir}",
+    ]
+    assert not os.listdir(tmp_path)
+
+
+def test_a_second_ctrl_c_exits_at_once(tmp_path, launch):
+    """A run of one chunk of minutes, stopped twice: the second Ctrl-C does not wait for it."""
+    one_long_chunk = ["--total-timesteps", "10000000", "--updates-per-chunk", "156250"]
+    process = launch(*command("ppo", *one_long_chunk, "--runs-dir", str(tmp_path)))
+    run_dir = os.path.dirname(wait_for(process, f"{tmp_path}/*/config.json"))
+    process.send_signal(signal.SIGINT)
+    first_line = next((line for line in iter(process.stderr.readline, "") if line.strip()), "")
+    assert first_line.strip() == notice(signal.SIGINT)
+    lines = stopped(process, signal.SIGINT, within=5)
+    assert lines[-1] == f"interrupted before the first checkpoint; removed {run_dir}"
+    assert not os.listdir(tmp_path)
+
+
+def test_ppo_stopped_between_chunks_then_in_the_final_report_resumes_to_the_same_run(
+    tmp_path, launch
+):
+    """Ctrl-C after a chunk, then SIGTERM as the process exits; the resume, in a fresh
+    process, gets SIGTERM during its final report, which it finishes, then exits 130 all the
+    same: the run is complete."""
+    process = launch(*command("ppo", "--runs-dir", str(tmp_path / "stopped")))
+    wait_for(process, f"{tmp_path}/stopped/*/checkpoints/update_00000002")
+    process.send_signal(signal.SIGINT)
+    lines = [process.stderr.readline().strip() for _ in range(3)]  # a blank line first
+    assert lines[1] == notice(signal.SIGINT)
+    run_dir = resume_dir(lines[2])
+    # Another signal as the process exits, when Python's teardown would have restored its
+    # default handlers (killed by SIGTERM: -15): exit code 130 all the same, and no other line.
+    time.sleep(0.3)
+    assert stopped(process, signal.SIGTERM) == []
+    assert not os.path.exists(os.path.join(run_dir, "summary.json"))
+
+    process = launch("purejaxrl_ppo.py", "--resume", run_dir, "--no-progress")
+    wait_for(process, f"{run_dir}/summary.json")  # the report goes on: the learning curve
+    lines = stopped(process, signal.SIGTERM)
+    assert lines == [notice(signal.SIGTERM), f"interrupted after the run finished -> {run_dir}"]
+    assert os.path.getsize(f"{run_dir}/learning_curve.png")  # the report was finished first
+    assert_same_run(run_dir, uninterrupted("ppo", tmp_path / "uninterrupted"))
+
+
+def test_dqn_stopped_during_a_checkpoint_write_resumes_to_the_uninterrupted_run(tmp_path, launch):
+    """SIGTERM while orbax writes a checkpoint: the write finishes, the checkpoint reads back,
+    and the replay buffer in it resumes exactly."""
+    process = launch(*command("dqn", "--runs-dir", str(tmp_path / "stopped")))
+    wait_for(process, f"{tmp_path}/stopped/*/checkpoints/*.orbax-checkpoint-tmp*")
+    lines = stopped(process, signal.SIGTERM)
+    assert lines[0] == notice(signal.SIGTERM) and len(lines) == 2
+    run_dir = resume_dir(lines[1])
+    update = int(lines[1].split("after update ")[1].split(";")[0])
+    assert 4 <= update < 32
+    assert checkpoint_leaves(run_dir)  # readable
+    resumed = run_script("purejaxrl_dqn.py", "--resume", run_dir, "--no-progress")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_run(run_dir, uninterrupted("dqn", tmp_path / "uninterrupted"))
