@@ -5,15 +5,20 @@ average."""
 
 import json
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from purejaxrl_ppo import Config
 from tests.helpers import REPO, checkpoint_leaves, metric_table, run_script
+from utils import checkpoint
 from utils.devices import process_group, xla_flags_with_cpu_devices
 from utils.errors import ConfigError
 
@@ -79,6 +84,43 @@ def test_two_processes_train_like_one_process_with_two_devices(tiny_ppo_args, tm
     np.testing.assert_allclose(
         metric_table(two_processes, 0), metric_table(one_process, 0), rtol=1e-4, atol=1e-6
     )
+
+
+def test_sigterm_to_one_process_stops_every_process_after_the_same_update(tiny_ppo_args):
+    """SIGTERM stays with JAX's preemption notifier in a process group: the processes agree on
+    an update, each stops after it with exit code 130, and none waits for a lost peer."""
+    group = ["--coordinator-address", f"127.0.0.1:{free_port()}", "--num-processes", "2"]
+    flags = [*tiny_ppo_args, "--cpu-devices", "1", *group]
+    flags += ["--total-timesteps", "1000000", "--updates-per-chunk", "1", "--eval-episodes", "0"]
+    env = {**os.environ, "XLA_FLAGS": xla_flags_with_cpu_devices(1)}
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "purejaxrl_ppo.py", *flags, "--process-id", str(i)],
+            cwd=REPO,
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    runs_dir = Path(tiny_ppo_args[-1])
+    try:
+        deadline = time.monotonic() + 240
+        while not list(runs_dir.glob("*/checkpoints/update_*")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        processes[1].send_signal(signal.SIGTERM)
+        errors = [p.communicate(timeout=120)[1] for p in processes]
+    finally:
+        for p in processes:
+            p.kill()
+    for p, stderr in zip(processes, errors, strict=True):
+        assert p.returncode == 130, stderr[-3000:]
+        assert "Traceback" not in stderr, stderr[-3000:]
+    # Process 0 names the update its checkpoint holds; process 1 cannot see that directory.
+    (stopped,) = re.findall(r"interrupted after update (\d+)", errors[0])
+    assert errors[1].strip().endswith("interrupted"), errors[1][-3000:]
+    (run_dir,) = runs_dir.iterdir()
+    assert checkpoint.latest_update(str(run_dir / "checkpoints")) == int(stopped)
 
 
 def test_process_group_comes_from_flags_then_the_environment(monkeypatch):

@@ -630,9 +630,19 @@ def train_in_chunks(plan: RunPlan, state, start_update: int, clock: _Clock, wand
             last_values = metrics[trainer.headline_metric][:, -1]
             mean_value = np.nanmean(last_values) if np.isfinite(last_values).any() else np.nan
             progress.update(update, mean_value, done_steps / max(clock.train_seconds, 1e-9))
+            if plan.multi_process and _preempted(update):
+                raise KeyboardInterrupt  # as a stop signal would: every process stops here
     finally:
         progress.close()
     return state, divergence
+
+
+def _preempted(update: int) -> bool:
+    """In a process group: whether JAX's preemption notifier (SIGTERM to any of the processes,
+    utils/interrupts.py leaves it to JAX there) has every process stop after this update."""
+    if not jax.config.jax_enable_preemption_service:
+        return False
+    return multihost_utils.reached_preemption_sync_point(update)
 
 
 def _interrupted(plan: RunPlan) -> str:

@@ -100,6 +100,18 @@ def _noted(*_) -> None:
     """The Python-level handler: the listening thread has the signal already."""
 
 
+def _signals_to_take() -> tuple[signal.Signals, ...]:
+    """The stop signals to take over. In a process group (jax.distributed) SIGTERM stays with
+    JAX's preemption notifier, which agrees with every process on one update to stop after
+    (the driver asks `multihost_utils.reached_preemption_sync_point` after each chunk): a
+    scheduler stopping one process then stops all of them together instead of leaving the
+    others waiting on it."""
+    jax = sys.modules.get("jax")
+    if jax is not None and jax.distributed.is_initialized():
+        return (signal.SIGINT,)
+    return STOP_SIGNALS
+
+
 def _take_over() -> Callable[[], None]:
     """Route the stop signals to the listening thread. Returns what gives them back. A signal
     ignored at start-up (a job started with & by a shell script) stays ignored, as Python
@@ -113,7 +125,7 @@ def _take_over() -> Callable[[], None]:
     previous_fd = signal.set_wakeup_fd(_state.wakeup, warn_on_full_buffer=False)
     previous = {
         stop_signal: signal.signal(stop_signal, _noted)
-        for stop_signal in STOP_SIGNALS
+        for stop_signal in _signals_to_take()
         if signal.getsignal(stop_signal) is not signal.SIG_IGN
     }
     if not listening:  # started once the handlers are in place: its start can be interrupted
@@ -141,8 +153,8 @@ def exit_at_once_on_stop_signals() -> None:
 def stop_at_safe_points():
     """Inside the block a stop signal only asks for a stop, which `check` then raises as
     KeyboardInterrupt; a second signal exits at once, saying `exit_says`'s line. A trainer
-    script took the signals over at start-up already; they are taken again here because
-    jax.distributed.initialize, since then, gives SIGTERM to JAX's preemption notifier."""
+    script took the signals over at start-up already; they are taken again here, where a process
+    group leaves SIGTERM to JAX (`_signals_to_take`)."""
     give_back = _take_over()
     _state.at_safe_points, _state.requested, _state.said = True, None, False
     exit_says(lambda: _BEFORE_THE_RUN)
