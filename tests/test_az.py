@@ -2,12 +2,14 @@
 references (the evaluation's oracle, rollouts and Elo: tests/test_board_eval.py); then whole
 runs (reproducibility, devices, bad input). Learning is in tests/test_learning.py."""
 
+import functools
 import json
 import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pgx
 import pytest
 
@@ -16,7 +18,9 @@ from purejaxrl_az import (
     PRESETS,
     SUPPORTED_GAMES,
     Config,
+    HyperParams,
     Position,
+    ResNet,
     action_permutations,
     augment_position,
     az_loss,
@@ -29,6 +33,7 @@ from purejaxrl_az import (
     masked_logits,
     resolve_game,
     run_search,
+    sgd_step,
     validate,
     value_targets,
 )
@@ -43,7 +48,7 @@ from utils.cli import parse_config
 from utils.devices import DEVICE_AXIS
 from utils.driver import run_training
 from utils.errors import ConfigError
-from utils.trainer import Runtime
+from utils.trainer import Runtime, hyperparams_of
 
 
 def reference_value_targets(reward, terminated, truncated, value, written, lam, outcome):
@@ -326,6 +331,77 @@ def test_loss_ignores_illegal_moves_and_masked_samples():
     log_p = np.log(np.exp([2.0, 0.0]) / np.exp([2.0, 0.0]).sum())
     assert float(policy_loss) == pytest.approx(-(0.5 * log_p).sum(), rel=1e-5)
     assert float(value_loss) == pytest.approx(0.25)
+
+
+def random_buffer(seed, rows=8, games=4):
+    """A buffer of random tic_tac_toe positions (`rows` moves of each of `games` games), every
+    game over at its last move, so every position has a value target."""
+    rng = np.random.default_rng(seed)
+    legal = rng.random((rows, games, 9)) < 0.7
+    legal[..., 0] = True
+    policy = rng.random((rows, games, 9)) * legal
+    ended = np.broadcast_to(np.arange(rows)[:, None] == rows - 1, (rows, games))
+    data = Position(
+        obs=rng.random((rows, games, 3, 3, 2)) < 0.3,
+        legal=legal,
+        policy=(policy / policy.sum(-1, keepdims=True)).astype(np.float32),
+        reward=(ended * rng.choice([-1.0, 1.0], games)).astype(np.float32),
+        terminated=ended,
+        truncated=np.zeros((rows, games), bool),
+        search_value=np.zeros((rows, games), np.float32),
+    )
+
+    @jax.jit
+    def fill(data):
+        buffer = buffer_add(buffer_init(jax.tree.map(lambda x: x[0], data), rows), data)
+        return buffer_update_targets(buffer, jnp.float32(1.0), True)
+
+    return fill(data)
+
+
+def test_sgd_step_averages_gradients_and_batch_statistics_over_devices():
+    """The first SGD step on two devices, each with its own buffer, against each device's step
+    alone. The devices are a vmapped axis named DEVICE_AXIS, whose collectives are pmap's.
+    Adam's update hardly changes if the gradient doubles, but its first moment after one step
+    is 0.1 x the gradient: a sum over devices instead of the mean would double it."""
+    learner = ResNet(9, num_blocks=1, num_channels=8, batch_norm=True, conv_method="dense")
+    hp = hyperparams_of(HyperParams, Config())
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def fresh_network(num_devices):
+        """The same new network, BatchNorm statistics and optimiser on every device."""
+        variables = learner.init(jax.random.PRNGKey(0), jnp.zeros((1, 3, 3, 2)), train=True)
+        start = (variables["params"], variables["batch_stats"])
+        start = (*start, optax.adam(hp.learning_rate).init(variables["params"]))
+        return jax.tree.map(lambda x: jnp.stack([x] * num_devices), start)
+
+    step = functools.partial(
+        sgd_step,
+        learner=learner,
+        game="tic_tac_toe",
+        perms=action_permutations("tic_tac_toe", 9),
+        batch_size=16,
+    )
+    run = jax.jit(jax.vmap(step, in_axes=(0, 0, 0, 0, None, 0), axis_name=DEVICE_AXIS))
+    buffers = [random_buffer(seed) for seed in (1, 2)]
+    keys = jax.random.split(jax.random.PRNGKey(3), 2)
+
+    def on_devices(buffers, keys):
+        stacked = jax.tree.map(lambda *x: np.stack(x), *buffers)
+        return jax.device_get(run(*fresh_network(len(buffers)), stacked, hp, keys))
+
+    both = on_devices(buffers, keys)
+    alone = [on_devices([buffer], key[None]) for buffer, key in zip(buffers, keys, strict=True)]
+    for name, part in (
+        ("Adam's first moment", lambda out: out.opt_state[0].mu),
+        ("BatchNorm statistics", lambda out: out.batch_stats),
+    ):
+        mean_alone = jax.tree.map(lambda a, b: (a[0] + b[0]) / 2, *(part(out) for out in alone))
+        for got, want in zip(jax.tree.leaves(part(both)), jax.tree.leaves(mean_alone), strict=True):
+            for device in (0, 1):
+                np.testing.assert_allclose(got[device], want, rtol=1e-5, atol=1e-9, err_msg=name)
+    for leaf in jax.tree.leaves(both.params):
+        np.testing.assert_array_equal(leaf[0], leaf[1])
 
 
 # ---------------------------------------------------------------------------------------------
