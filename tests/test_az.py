@@ -5,6 +5,7 @@ runs (reproducibility, devices, bad input). Learning is in tests/test_learning.p
 import functools
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +42,9 @@ from tests.helpers import (
     TINY_AZ,
     assert_devices_share_all_but,
     assert_identical_runs,
+    checkpoint_leaves,
     checkpoint_state,
+    metric_table,
     run_script,
 )
 from utils.cli import parse_config
@@ -422,6 +425,11 @@ def tiny_args(runs_dir, game="tic_tac_toe"):
     ]
 
 
+def train(args):
+    config = parse_config(Config, PRESETS, args, preset_key=resolve_game)
+    return run_training(config, make_train, validate)
+
+
 def run_dir_of(result):
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout.strip().splitlines()[-1].split("-> ")[-1]
@@ -484,6 +492,55 @@ def test_run_outputs_reproducibility_resume_and_two_devices(tmp_path):
     per_device = (".buffer.data", ".buffer.targets", ".buffer.known", ".games", ".game_length")
     assert_devices_share_all_but(checkpoint_state(purejaxrl_az, first), (*per_device, ".key"))
     assert_game_records(first, last_evaluation=4)
+
+
+# The biases of the layers whose outputs a BatchNorm normalises (the 3x3 convolutions and the
+# heads' first 1x1 convolutions): the normalisation subtracts them again, so their gradient is
+# zero and what SGD gets for it is rounding noise, which Adam turns into steps of up to the
+# learning rate. Rounded differently, they drift apart by that much, and so do the running
+# means of the activations they shift.
+DRIFTING_LEAVES = re.compile(
+    r"\.params\['(Conv3x3_\d+|Dense_0|Dense_2)'\]\['bias'\]|\.batch_stats\[.*\]\['mean'\]"
+)
+
+
+def test_seed_and_sweep_configuration_equal_single_runs(tmp_path):
+    """Run (configuration k, seed index i) of --num-seeds 2 x --sweep lr=1e-3,3e-3 is the run
+    with that learning rate and seed 1 + i: bit for bit in another batched run, with the seeds
+    shifted and the sweep reordered. A single run is unbatched, and XLA rounds its float32
+    arithmetic differently (by ~1e-7): over these two iterations without evaluation its moves
+    and targets stay the same, its metrics and network agree to 1e-4 (the drifting biases to
+    the learning rate per SGD step). A wrong key or a swapped learning rate is off by 1e-2 and
+    more."""
+    flags = [*tiny_args(tmp_path)[1:], "--num-iterations", "2", "--eval-games", "0"]
+    together = train([*flags, "--num-seeds", "2", "--sweep", "lr=1e-3,3e-3"])["run_dir"]
+    shifted = train([*flags, "--seed", "2", "--num-seeds", "2", "--sweep", "lr=3e-3,1e-3"])
+    a, b = checkpoint_leaves(together), checkpoint_leaves(shifted["run_dir"])
+    # (learning rate 3e-3, seed 2) is run 3 of one and run 0 of the other; (1e-3, seed 2): 1, 2
+    for run, same_run in ((3, 0), (1, 2)):
+        np.testing.assert_array_equal(
+            metric_table(together, run % 2, run // 2),
+            metric_table(shifted["run_dir"], same_run % 2, same_run // 2),
+        )
+        for name in a:  # every leaf is [devices, runs, ...]
+            np.testing.assert_array_equal(a[name][:, run], b[name][:, same_run], err_msg=name)
+
+    alone = train([*flags, "--seed", "2", "--learning-rate", "3e-3"])["run_dir"]
+    np.testing.assert_allclose(
+        metric_table(together, 1, 1), metric_table(alone, 0), rtol=1e-4, atol=1e-6
+    )
+    sgd_steps = 2 * 2  # iterations x --updates-per-iteration
+    batched = jax.tree_util.tree_flatten_with_path(checkpoint_state(purejaxrl_az, together))[0]
+    single = jax.tree.leaves(checkpoint_state(purejaxrl_az, alone))
+    for (path, x), y in zip(batched, single, strict=True):
+        name = jax.tree_util.keystr(path)
+        x, y = x[:, 3], y[:, 0]
+        if DRIFTING_LEAVES.fullmatch(name):
+            np.testing.assert_allclose(x, y, rtol=0, atol=sgd_steps * 3e-3, err_msg=name)
+        elif np.issubdtype(x.dtype, np.floating):
+            np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6, err_msg=name)
+        else:  # games, moves, counters and keys
+            np.testing.assert_array_equal(x, y, err_msg=name)
 
 
 def assert_game_records(run_dir, last_evaluation):
