@@ -1013,9 +1013,14 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
     )
 
 
-if __name__ == "__main__":
+def main() -> None:
+    """The command line: parse the flags, then train."""
     with exit_on_config_error():
         config = parse_config(
             Config, PRESETS, preset_key=resolve_game, shell_defaults={"cpu_devices": -1}
         )
         run_training(config, make_train, validate)
+
+
+if __name__ == "__main__":
+    main()

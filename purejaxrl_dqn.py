@@ -549,6 +549,11 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
     )
 
 
-if __name__ == "__main__":
+def main() -> None:
+    """The command line: parse the flags, then train."""
     with exit_on_config_error():
         run_training(parse_config(Config, PRESETS), make_train, validate)
+
+
+if __name__ == "__main__":
+    main()

@@ -8,10 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from utils.devices import xla_flags_with, xla_flags_with_cpu_devices
+from utils.devices import DEVICE_AXIS, xla_flags_with, xla_flags_with_cpu_devices
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -120,6 +121,39 @@ def checkpoint_leaves(run_dir) -> dict[str, np.ndarray]:
     checkpoints = sorted((Path(run_dir) / "checkpoints").glob("update_*"))
     assert checkpoints, f"no checkpoint in {run_dir}"
     return ocp.PyTreeCheckpointer().restore(str(checkpoints[-1].resolve()))["leaves"]
+
+
+def checkpoint_state(trainer_module, run_dir):
+    """The latest checkpoint of a run of `trainer_module` (purejaxrl_dqn, ...) as its training
+    state, leaves [devices, runs, ...]."""
+    with open(os.path.join(run_dir, "config.json")) as f:
+        config = trainer_module.Config(**json.load(f))
+    trainer = trainer_module.make_train(config)
+    shapes = jax.eval_shape(
+        jax.vmap(lambda key: trainer.init(key, trainer.hyperparams), axis_name=DEVICE_AXIS),
+        jax.random.split(jax.random.PRNGKey(0), 1),
+    )
+    leaves = checkpoint_leaves(run_dir)
+    return jax.tree.unflatten(
+        jax.tree.structure(shapes), [leaves[f"{i:05d}"] for i in range(len(leaves))]
+    )
+
+
+def assert_devices_share_all_but(state, per_device: tuple[str, ...]):
+    """A state trained on 2 devices (leaves [devices, runs, ...]): every leaf is the same on
+    both devices (parameters, optimiser, statistics, counters), except the leaves under the
+    fields `per_device` (paths such as ".buffer.data"), each device's own environments, data
+    and keys; in each of those fields some leaf differs."""
+    differing = {field: [] for field in per_device}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        name = jax.tree_util.keystr(path)
+        field = next((f for f in per_device if name.startswith(f)), None)
+        if field is None:
+            np.testing.assert_array_equal(leaf[0], leaf[1], err_msg=f"{name} differs by device")
+        elif not np.array_equal(leaf[0], leaf[1]):
+            differing[field].append(name)
+    same = [field for field, names in differing.items() if not names]
+    assert not same, f"{same} are the same on both devices"
 
 
 def _summary(run_dir) -> dict:

@@ -2,20 +2,26 @@
 references (the evaluation's oracle, rollouts and Elo: tests/test_board_eval.py); then whole
 runs (reproducibility, devices, bad input). Learning is in tests/test_learning.py."""
 
+import functools
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pgx
 import pytest
 
+import purejaxrl_az
 from purejaxrl_az import (
     PRESETS,
     SUPPORTED_GAMES,
     Config,
+    HyperParams,
     Position,
+    ResNet,
     action_permutations,
     augment_position,
     az_loss,
@@ -28,15 +34,24 @@ from purejaxrl_az import (
     masked_logits,
     resolve_game,
     run_search,
+    sgd_step,
     validate,
     value_targets,
 )
-from tests.helpers import TINY_AZ, assert_identical_runs, checkpoint_leaves, run_script
+from tests.helpers import (
+    TINY_AZ,
+    assert_devices_share_all_but,
+    assert_identical_runs,
+    checkpoint_leaves,
+    checkpoint_state,
+    metric_table,
+    run_script,
+)
 from utils.cli import parse_config
 from utils.devices import DEVICE_AXIS
 from utils.driver import run_training
 from utils.errors import ConfigError
-from utils.trainer import Runtime
+from utils.trainer import Runtime, hyperparams_of
 
 
 def reference_value_targets(reward, terminated, truncated, value, written, lam, outcome):
@@ -321,6 +336,77 @@ def test_loss_ignores_illegal_moves_and_masked_samples():
     assert float(value_loss) == pytest.approx(0.25)
 
 
+def random_buffer(seed, rows=8, games=4):
+    """A buffer of random tic_tac_toe positions (`rows` moves of each of `games` games), every
+    game over at its last move, so every position has a value target."""
+    rng = np.random.default_rng(seed)
+    legal = rng.random((rows, games, 9)) < 0.7
+    legal[..., 0] = True
+    policy = rng.random((rows, games, 9)) * legal
+    ended = np.broadcast_to(np.arange(rows)[:, None] == rows - 1, (rows, games))
+    data = Position(
+        obs=rng.random((rows, games, 3, 3, 2)) < 0.3,
+        legal=legal,
+        policy=(policy / policy.sum(-1, keepdims=True)).astype(np.float32),
+        reward=(ended * rng.choice([-1.0, 1.0], games)).astype(np.float32),
+        terminated=ended,
+        truncated=np.zeros((rows, games), bool),
+        search_value=np.zeros((rows, games), np.float32),
+    )
+
+    @jax.jit
+    def fill(data):
+        buffer = buffer_add(buffer_init(jax.tree.map(lambda x: x[0], data), rows), data)
+        return buffer_update_targets(buffer, jnp.float32(1.0), True)
+
+    return fill(data)
+
+
+def test_sgd_step_averages_gradients_and_batch_statistics_over_devices():
+    """The first SGD step on two devices, each with its own buffer, against each device's step
+    alone. The devices are a vmapped axis named DEVICE_AXIS, whose collectives are pmap's.
+    Adam's update hardly changes if the gradient doubles, but its first moment after one step
+    is 0.1 x the gradient: a sum over devices instead of the mean would double it."""
+    learner = ResNet(9, num_blocks=1, num_channels=8, batch_norm=True, conv_method="dense")
+    hp = hyperparams_of(HyperParams, Config())
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def fresh_network(num_devices):
+        """The same new network, BatchNorm statistics and optimiser on every device."""
+        variables = learner.init(jax.random.PRNGKey(0), jnp.zeros((1, 3, 3, 2)), train=True)
+        start = (variables["params"], variables["batch_stats"])
+        start = (*start, optax.adam(hp.learning_rate).init(variables["params"]))
+        return jax.tree.map(lambda x: jnp.stack([x] * num_devices), start)
+
+    step = functools.partial(
+        sgd_step,
+        learner=learner,
+        game="tic_tac_toe",
+        perms=action_permutations("tic_tac_toe", 9),
+        batch_size=16,
+    )
+    run = jax.jit(jax.vmap(step, in_axes=(0, 0, 0, 0, None, 0), axis_name=DEVICE_AXIS))
+    buffers = [random_buffer(seed) for seed in (1, 2)]
+    keys = jax.random.split(jax.random.PRNGKey(3), 2)
+
+    def on_devices(buffers, keys):
+        stacked = jax.tree.map(lambda *x: np.stack(x), *buffers)
+        return jax.device_get(run(*fresh_network(len(buffers)), stacked, hp, keys))
+
+    both = on_devices(buffers, keys)
+    alone = [on_devices([buffer], key[None]) for buffer, key in zip(buffers, keys, strict=True)]
+    for name, part in (
+        ("Adam's first moment", lambda out: out.opt_state[0].mu),
+        ("BatchNorm statistics", lambda out: out.batch_stats),
+    ):
+        mean_alone = jax.tree.map(lambda a, b: (a[0] + b[0]) / 2, *(part(out) for out in alone))
+        for got, want in zip(jax.tree.leaves(part(both)), jax.tree.leaves(mean_alone), strict=True):
+            for device in (0, 1):
+                np.testing.assert_allclose(got[device], want, rtol=1e-5, atol=1e-9, err_msg=name)
+    for leaf in jax.tree.leaves(both.params):
+        np.testing.assert_array_equal(leaf[0], leaf[1])
+
+
 # ---------------------------------------------------------------------------------------------
 # Whole runs
 # ---------------------------------------------------------------------------------------------
@@ -337,6 +423,11 @@ def tiny_args(runs_dir, game="tic_tac_toe"):
         "--runs-dir",
         str(runs_dir),
     ]
+
+
+def train(args):
+    config = parse_config(Config, PRESETS, args, preset_key=resolve_game)
+    return run_training(config, make_train, validate)
 
 
 def run_dir_of(result):
@@ -396,10 +487,60 @@ def test_run_outputs_reproducibility_resume_and_two_devices(tmp_path):
     with open(f"{first}/metrics.csv") as f:
         header = f.readline().strip().split(",")
     assert {"eval_oracle_elo_low", "selfplay_game_length", "value_loss"} <= set(header)
-    leaves = checkpoint_leaves(first)
-    params = [v for v in leaves.values() if v.dtype == np.float32 and v.ndim >= 3]
-    assert params and all(np.array_equal(v[0], v[1]) for v in params[:4])  # both devices
+    # Network, BatchNorm statistics, optimiser and counters are shared by both devices; their
+    # games, replay data and keys are not.
+    per_device = (".buffer.data", ".buffer.targets", ".buffer.known", ".games", ".game_length")
+    assert_devices_share_all_but(checkpoint_state(purejaxrl_az, first), (*per_device, ".key"))
     assert_game_records(first, last_evaluation=4)
+
+
+# The biases of the layers whose outputs a BatchNorm normalises (the 3x3 convolutions and the
+# heads' first 1x1 convolutions): the normalisation subtracts them again, so their gradient is
+# zero and what SGD gets for it is rounding noise, which Adam turns into steps of up to the
+# learning rate. Rounded differently, they drift apart by that much, and so do the running
+# means of the activations they shift.
+DRIFTING_LEAVES = re.compile(
+    r"\.params\['(Conv3x3_\d+|Dense_0|Dense_2)'\]\['bias'\]|\.batch_stats\[.*\]\['mean'\]"
+)
+
+
+def test_seed_and_sweep_configuration_equal_single_runs(tmp_path):
+    """Run (configuration k, seed index i) of --num-seeds 2 x --sweep lr=1e-3,3e-3 is the run
+    with that learning rate and seed 1 + i: bit for bit in another batched run, with the seeds
+    shifted and the sweep reordered. A single run is unbatched, and XLA rounds its float32
+    arithmetic differently (by ~1e-7): over these two iterations without evaluation its moves
+    and targets stay the same, its metrics and network agree to 1e-4 (the drifting biases to
+    the learning rate per SGD step). A wrong key or a swapped learning rate is off by 1e-2 and
+    more."""
+    flags = [*tiny_args(tmp_path)[1:], "--num-iterations", "2", "--eval-games", "0"]
+    together = train([*flags, "--num-seeds", "2", "--sweep", "lr=1e-3,3e-3"])["run_dir"]
+    shifted = train([*flags, "--seed", "2", "--num-seeds", "2", "--sweep", "lr=3e-3,1e-3"])
+    a, b = checkpoint_leaves(together), checkpoint_leaves(shifted["run_dir"])
+    # (learning rate 3e-3, seed 2) is run 3 of one and run 0 of the other; (1e-3, seed 2): 1, 2
+    for run, same_run in ((3, 0), (1, 2)):
+        np.testing.assert_array_equal(
+            metric_table(together, run % 2, run // 2),
+            metric_table(shifted["run_dir"], same_run % 2, same_run // 2),
+        )
+        for name in a:  # every leaf is [devices, runs, ...]
+            np.testing.assert_array_equal(a[name][:, run], b[name][:, same_run], err_msg=name)
+
+    alone = train([*flags, "--seed", "2", "--learning-rate", "3e-3"])["run_dir"]
+    np.testing.assert_allclose(
+        metric_table(together, 1, 1), metric_table(alone, 0), rtol=1e-4, atol=1e-6
+    )
+    sgd_steps = 2 * 2  # iterations x --updates-per-iteration
+    batched = jax.tree_util.tree_flatten_with_path(checkpoint_state(purejaxrl_az, together))[0]
+    single = jax.tree.leaves(checkpoint_state(purejaxrl_az, alone))
+    for (path, x), y in zip(batched, single, strict=True):
+        name = jax.tree_util.keystr(path)
+        x, y = x[:, 3], y[:, 0]
+        if DRIFTING_LEAVES.fullmatch(name):
+            np.testing.assert_allclose(x, y, rtol=0, atol=sgd_steps * 3e-3, err_msg=name)
+        elif np.issubdtype(x.dtype, np.floating):
+            np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6, err_msg=name)
+        else:  # games, moves, counters and keys
+            np.testing.assert_array_equal(x, y, err_msg=name)
 
 
 def assert_game_records(run_dir, last_evaluation):

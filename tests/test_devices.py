@@ -1,6 +1,7 @@
 """Device helpers that change how programs are built, never what they compute."""
 
 import os
+import sys
 
 import jax
 import numpy as np
@@ -71,3 +72,16 @@ def test_compiled_programs_go_to_the_per_user_cache_unless_turned_off(tiny_ppo_a
     cache = tmp_path / "on" / "purejaxrl" / "jax"
     assert any(name.startswith("jit_") for name in os.listdir(cache))
     assert not (tmp_path / "off" / "purejaxrl").exists()
+
+
+def test_a_refused_distributed_run_leaves_the_environment_as_it_was(monkeypatch):
+    """--distributed from `python -c CODE`, which could restart to split the CPU but is no
+    trainer script to launch in a process group, is refused, and the refusal leaves neither
+    XLA_FLAGS nor the restart markers behind for the next run in this process."""
+    monkeypatch.setattr(sys, "orig_argv", [sys.executable, "-c", "pass"])
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # nothing leaks should this fail
+    environment = dict(os.environ)
+    processes = {"coordinator_address": None, "num_processes": 2, "process_id": 0}
+    with pytest.raises(ConfigError, match="--distributed runs start from a trainer script"):
+        split_cpu_host(jax.local_device_count() + 1, processes)
+    assert dict(os.environ) == environment

@@ -46,6 +46,7 @@ def test_configurations_are_the_product_with_typed_values():
         (["learning_starts=10.5"], "not an integer"),
         (["gamma=0.9,high"], "not a number"),
         (["gamma"], "NAME=V1,V2"),
+        (["gamma=,"], "NAME=V1,V2"),
         (["gamma=0.9", "gamma=0.99"], "given twice"),
         (["gamma=0.9,0.9"], "repeated"),
         (["gamma=0.9,1.5"], "--gamma must be a finite number in [0, 1], got 1.5"),

@@ -145,9 +145,6 @@ def split_cpu_host(num_cpu_devices: int, processes: dict | None = None) -> None:
             if resplit
             else "--distributed: the process group did not start after restarting"
         )
-    if split:
-        os.environ["XLA_FLAGS"] = xla_flags_with_cpu_devices(num_cpu_devices)
-    os.environ[_RESTARTED] = asked
     command = [sys.executable, *sys.orig_argv[1:]]
     if join:
         script = sys.orig_argv[1] if len(sys.orig_argv) > 1 else "-"
@@ -156,8 +153,14 @@ def split_cpu_host(num_cpu_devices: int, processes: dict | None = None) -> None:
                 "--distributed runs start from a trainer script, e.g. "
                 "python purejaxrl_ppo.py --distributed ..."
             )
-        os.environ[_PROCESSES] = json.dumps(processes)
         command = [sys.executable, "-c", _LAUNCHER, *sys.orig_argv[1:]]
+    # Every check has passed: only now the environment the restarted process reads, so that a
+    # refused call (in a notebook, say) leaves this process as it was.
+    if split:
+        os.environ["XLA_FLAGS"] = xla_flags_with_cpu_devices(num_cpu_devices)
+    os.environ[_RESTARTED] = asked
+    if join:
+        os.environ[_PROCESSES] = json.dumps(processes)
     sys.stdout.flush()
     sys.stderr.flush()
     interrupts.keep_pending_across_exec()

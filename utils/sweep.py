@@ -40,9 +40,10 @@ def _parse_value(text: str, name: str, current):
 
 def _split_spec(spec: str) -> tuple[str, list[str]]:
     name, eq, values = spec.partition("=")
-    if not eq or not name.strip() or not values.strip():
+    texts = [v for v in values.split(",") if v.strip()]
+    if not eq or not name.strip() or not texts:  # "lr=," too: no configuration at all
         raise ConfigError(f"--sweep {spec!r}: write NAME=V1,V2,... (for example lr=1e-3,3e-4,1e-4)")
-    return name, [v for v in values.split(",") if v.strip()]
+    return name, texts
 
 
 def num_configs(sweep: tuple[str, ...]) -> int:
