@@ -8,6 +8,8 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -65,14 +67,20 @@ def launch():
             process.communicate()
 
 
-def wait_for(process, pattern: str) -> str:
-    """The first path matching `pattern`, as soon as it exists (the process still running)."""
+def wait_until(process, moment: Callable[[], Any]):
+    """What `moment()` returns once it is true, polled every millisecond while the process
+    runs."""
     deadline = time.monotonic() + TIMEOUT
-    while not (found := glob.glob(pattern)):
+    while not (found := moment()):
         assert process.poll() is None, f"exited with {process.returncode}: {process.stderr.read()}"
-        assert time.monotonic() < deadline, f"no {pattern} after {TIMEOUT} s"
+        assert time.monotonic() < deadline, f"not there after {TIMEOUT} s"
         time.sleep(0.001)
-    return found[0]
+    return found
+
+
+def wait_for(process, pattern: str) -> str:
+    """The first path matching `pattern`, as soon as it exists."""
+    return wait_until(process, lambda: glob.glob(pattern))[0]
 
 
 def stopped(process, stop_signal, within: float = TIMEOUT) -> list[str]:
@@ -86,8 +94,12 @@ def stopped(process, stop_signal, within: float = TIMEOUT) -> list[str]:
 
 
 def notice(stop_signal) -> str:
+    """The line of the first signal of a run."""
     name = "Ctrl-C" if stop_signal == signal.SIGINT else "SIGTERM"
-    return f"{name}: stopping after the chunk, compile or evaluation in progress; {name} again stops at once"
+    return (
+        f"{name}: stopping after the chunk, compile or evaluation in progress; "
+        f"{name} again stops at once"
+    )
 
 
 def resume_dir(line: str) -> str:
@@ -131,10 +143,7 @@ def test_a_stop_during_the_imports_exits_at_once(tmp_path, launch, stop_signal, 
     """The trainer takes the signals over before its slow imports (jax, flax, gymnax): a stop
     during them prints no traceback, and none gets lost in a weakref callback."""
     process = launch(*command("ppo", "--runs-dir", str(tmp_path)))
-    deadline = time.monotonic() + TIMEOUT
-    while not moment(process.pid):
-        assert time.monotonic() < deadline and process.poll() is None
-        time.sleep(0.001)
+    wait_until(process, lambda: moment(process.pid))
     assert moment is jax_loading or not jax_loading(process.pid)
     assert stopped(process, stop_signal) == ["interrupted before the run started"]
     assert not os.listdir(tmp_path)
