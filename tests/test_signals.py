@@ -192,10 +192,11 @@ def test_ppo_stopped_between_chunks_then_in_the_final_report_resumes_to_the_same
     assert not os.path.exists(os.path.join(run_dir, "summary.json"))
 
     process = launch("purejaxrl_ppo.py", "--resume", run_dir, "--no-progress")
-    wait_for(process, f"{run_dir}/summary.json")  # the report goes on: the learning curve
+    wait_for(process, f"{run_dir}/learning_curve.png")  # the report goes on: summary.json
     lines = stopped(process, signal.SIGTERM)
     assert lines == [notice(signal.SIGTERM), f"interrupted after the run finished -> {run_dir}"]
     assert os.path.getsize(f"{run_dir}/learning_curve.png")  # the report was finished first
+    assert os.path.exists(f"{run_dir}/summary.json")
     assert_same_run(run_dir, uninterrupted("ppo", tmp_path / "uninterrupted"))
 
 
