@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import optax
 
 from utils.cli import (
+    INT32_MAX,
     EpisodeRunConfig,
     exit_on_config_error,
     parse_config,
@@ -331,9 +332,10 @@ def validate(config: Config, runtime: Runtime) -> None:
         "n_step",
     )
     require_positive(config, "eval_episodes", minimum=0)
-    if not config.hidden_sizes or min(config.hidden_sizes) < 1:
+    if not config.hidden_sizes or not all(1 <= size <= INT32_MAX for size in config.hidden_sizes):
         raise ConfigError(
-            f"--hidden-sizes must be one or more sizes >= 1, got {config.hidden_sizes}"
+            f"--hidden-sizes must be one or more sizes in [1, {INT32_MAX}], got "
+            f"{config.hidden_sizes}"
         )
     require_positive(config, "learning_starts", minimum=0)
     require_in(config, "learning_rate", 0.0, 1.0, above_low=True)

@@ -350,14 +350,10 @@ def rollout_targets(traj: Transition, last_value, final_values, gamma, gae_lambd
 def validate(config: Config, runtime: Runtime) -> None:
     """ConfigError for a config that cannot train; cheap enough to run per sweep configuration."""
     spec = env_spec(config.env)
+    # the number of updates is computed from it on the host; no step counter holds it
+    require_positive(config, "total_timesteps", maximum=None)
     require_positive(
-        config,
-        "total_timesteps",
-        "num_envs",
-        "num_steps",
-        "num_minibatches",
-        "update_epochs",
-        "hidden_size",
+        config, "num_envs", "num_steps", "num_minibatches", "update_epochs", "hidden_size"
     )
     require_positive(config, "eval_episodes", minimum=0)
     require_in(config, "learning_rate", 0.0, 1.0, above_low=True)

@@ -401,7 +401,12 @@ def test_continuous_env_exits_2_with_one_sentence(tmp_path):
         ),
         (["--end-e", "inf"], "--end-e must be a finite number"),
         (["--sweep", "lr=1e-3,nan"], "--learning-rate must be a finite number"),
-        (["--buffer-size", "1000000000000"], r"the training state needs about [\d,.]+ GiB"),
+        (["--buffer-size", "1000000000000"], "--buffer-size must be <= 2147483647"),
+        (["--buffer-size", "2000000000"], r"the training state needs about [\d,.]+ GiB"),
+        # an int32 hyperparameter, and a layer width, past 2**31 - 1
+        (["--target-network-frequency", "2147483648"], "--target-network-frequency must be <="),
+        (["--sweep", "target-network-frequency=64,1e10"], "--target-network-frequency must be <="),
+        (["--hidden-sizes", "16", "2147483648"], r"sizes in \[1, 2147483647\], got \(16, "),
     ],
 )
 def test_bad_flags_raise_config_error(tiny_dqn_args, flags, match):

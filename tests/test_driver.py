@@ -282,7 +282,9 @@ def test_track_logs_to_wandb_offline_without_network(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("num_updates", "expected"), [(1, 1), (24, 1), (976, 61), (1220, 61), (1000, 40), (997, 40)]
+    ("num_updates", "expected"),
+    # 10**12 updates (DQN with --total-timesteps 1e13): planning must not walk 10**11 lengths
+    [(1, 1), (24, 1), (976, 61), (1220, 61), (1000, 40), (997, 40), (10**12, 4 * 10**10)],
 )
 def test_auto_chunk_length_divides_when_it_can(num_updates, expected):
     assert auto_updates_per_chunk(num_updates) == expected

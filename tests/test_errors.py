@@ -10,6 +10,7 @@ from tests.helpers import run_script
 from utils.cli import parse_config
 from utils.driver import run_training
 from utils.errors import ConfigError
+from utils.trainer import Runtime
 
 
 def expect_config_error(args, match):
@@ -50,9 +51,15 @@ def test_too_many_devices(tiny_ppo_args):
     expect_config_error([*tiny_ppo_args, "--num-devices", "64"], "more devices than the 1")
 
 
-def test_non_positive_sizes(tiny_ppo_args):
+def test_sizes_out_of_range(tiny_ppo_args):
     expect_config_error([*tiny_ppo_args, "--num-seeds", "0"], "--num-seeds must be >= 1")
     expect_config_error([*tiny_ppo_args, "--update-epochs", "0"], "--update-epochs must be >= 1")
+    # beyond a 32-bit integer, JAX's tracing of the network would overflow
+    expect_config_error(
+        [*tiny_ppo_args, "--hidden-size", str(2**31)], "--hidden-size must be <= 2147483647"
+    )
+    # no step counter of PPO holds the total, so it may be larger
+    validate(parse_config(Config, PRESETS, ["--total-timesteps", str(10**10)]), Runtime())
 
 
 def test_resume_of_a_missing_directory(tmp_path):

@@ -176,12 +176,22 @@ def parse_config(
     return config
 
 
-def require_positive(config, *names: str, minimum: int = 1) -> None:
-    """ConfigError for the first of these integer fields that is below `minimum`."""
+# The compiled programs hold sizes, counts and integer hyperparameters as 32-bit integers.
+INT32_MAX = 2**31 - 1
+
+
+def require_positive(
+    config, *names: str, minimum: int = 1, maximum: int | None = INT32_MAX
+) -> None:
+    """ConfigError for the first of these integer fields that is below `minimum` or above
+    `maximum`: by default INT32_MAX, since a size, count or hyperparameter beyond it would fail
+    inside JAX with an overflow (None: a field that never reaches the compiled program)."""
     for name in names:
-        if getattr(config, name) < minimum:
-            flag = "--" + name.replace("_", "-")
-            raise ConfigError(f"{flag} must be >= {minimum}, got {getattr(config, name)}")
+        value, flag = getattr(config, name), "--" + name.replace("_", "-")
+        if value < minimum:
+            raise ConfigError(f"{flag} must be >= {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            raise ConfigError(f"{flag} must be <= {maximum}, got {value}")
 
 
 def require_in(config, name: str, low: float, high: float = math.inf, *, above_low=False) -> None:

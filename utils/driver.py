@@ -77,7 +77,11 @@ def auto_updates_per_chunk(num_updates: int) -> int:
     """A chunk length near num_updates / CHUNKS_PER_RUN that divides num_updates if one is
     close, so that every chunk has the same length and compiles once."""
     target = max(1, round(num_updates / CHUNKS_PER_RUN))
-    divisors = [d for d in range(max(1, target // 2), 2 * target + 1) if num_updates % d == 0]
+    shortest, longest = max(1, target // 2), 2 * target
+    # A length d divides num_updates where the chunk count num_updates // d does: searching the
+    # few counts instead of the lengths keeps this instant for any --total-timesteps.
+    counts = range(-(-num_updates // longest), num_updates // shortest + 1)
+    divisors = sorted(num_updates // q for q in counts if num_updates % q == 0)
     return min(divisors, key=lambda d: abs(d - target)) if divisors else target
 
 
