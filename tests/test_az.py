@@ -514,13 +514,14 @@ def test_seed_and_sweep_configuration_equal_single_runs(tmp_path):
     more."""
     flags = [*tiny_args(tmp_path)[1:], "--num-iterations", "2", "--eval-games", "0"]
     together = train([*flags, "--num-seeds", "2", "--sweep", "lr=1e-3,3e-3"])["run_dir"]
-    shifted = train([*flags, "--seed", "2", "--num-seeds", "2", "--sweep", "lr=3e-3,1e-3"])
-    a, b = checkpoint_leaves(together), checkpoint_leaves(shifted["run_dir"])
+    reordered = ["--seed", "2", "--num-seeds", "2", "--sweep", "lr=3e-3,1e-3"]
+    shifted = train([*flags, *reordered])["run_dir"]
+    a, b = checkpoint_leaves(together), checkpoint_leaves(shifted)
     # (learning rate 3e-3, seed 2) is run 3 of one and run 0 of the other; (1e-3, seed 2): 1, 2
     for run, same_run in ((3, 0), (1, 2)):
         np.testing.assert_array_equal(
             metric_table(together, run % 2, run // 2),
-            metric_table(shifted["run_dir"], same_run % 2, same_run // 2),
+            metric_table(shifted, same_run % 2, same_run // 2),
         )
         for name in a:  # every leaf is [devices, runs, ...]
             np.testing.assert_array_equal(a[name][:, run], b[name][:, same_run], err_msg=name)

@@ -103,6 +103,7 @@ def test_cnn_torso_needs_image_observations(tiny_ppo_args):
         (["--gamma", "5"], r"--gamma must be a finite number in \[0, 1\], got 5.0"),
         (["--clip-coef", "-1"], r"--clip-coef must be a finite number in \[0, inf\)"),
         (["--ent-coef", "nan"], "--ent-coef must be a finite number"),
+        (["--max-grad-norm", "1e300"], "--max-grad-norm 1e[+]300 is beyond float32"),
         (["--sweep", "lr=nan,1e-3"], "--learning-rate must be a finite number"),
         (["--eval-episodes", "-1"], "--eval-episodes must be >= 0"),
         (["--seed", "100000000000000000000"], r"seeds must lie in \[0, 2147483647\]"),

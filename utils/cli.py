@@ -9,6 +9,7 @@ import os
 import sys
 from collections.abc import Callable
 
+import numpy as np
 import tyro
 
 from utils import interrupts
@@ -194,17 +195,24 @@ def require_positive(
             raise ConfigError(f"{flag} must be <= {maximum}, got {value}")
 
 
+# The compiled programs hold float hyperparameters as float32.
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
 def require_in(config, name: str, low: float, high: float = math.inf, *, above_low=False) -> None:
     """ConfigError unless the float field is finite and in [low, high] ((low, high] with
-    `above_low`). NaN fails every comparison, so it is named here rather than let through."""
+    `above_low`). NaN fails every comparison, so it is named here rather than let through; a
+    value beyond FLOAT32_MAX would become infinite in the compiled program."""
     value = getattr(config, name)
     inside = low < value if above_low else low <= value
+    flag = "--" + name.replace("_", "-")
     if not (math.isfinite(value) and inside and value <= high):
         bounds = (
             f"{'(' if above_low else '['}{low:g}, {high:g}{']' if math.isfinite(high) else ')'}"
         )
-        flag = "--" + name.replace("_", "-")
         raise ConfigError(f"{flag} must be a finite number in {bounds}, got {value}")
+    if abs(value) > FLOAT32_MAX:
+        raise ConfigError(f"{flag} {value} is beyond float32, which the compiled program uses")
 
 
 @contextlib.contextmanager
