@@ -19,6 +19,8 @@ _OWNS_CACHE = _CACHE_VARIABLE not in os.environ  # the xdist controller, or a pl
 if _OWNS_CACHE:
     os.environ[_CACHE_VARIABLE] = tempfile.mkdtemp(prefix="purejaxrl-tests-jax-cache-")
 os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ[_CACHE_VARIABLE]
+# hypothesis (tests/test_flags.py) keeps its caches there too, not in the repository.
+os.environ["HYPOTHESIS_STORAGE_DIRECTORY"] = os.path.join(os.environ[_CACHE_VARIABLE], "hypothesis")
 
 # The suite compiles dozens of programs that then run for a second or two, so XLA's LLVM
 # backend works at optimisation level 0, which compiles fastest. The learning tests train for
