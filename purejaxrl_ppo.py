@@ -218,6 +218,18 @@ class ActorCritic(nn.Module):
         return self.critic(obs)[..., 0]
 
 
+def make_network(config: Config, spec) -> ActorCritic:
+    """The actor-critic of this config for an env of this `EnvSpec`."""
+    return ActorCritic(
+        spec.num_actions,
+        spec.discrete,
+        len(spec.obs_shape),
+        config.hidden_size,
+        config.activation,
+        config.torso,
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # Targets and loss
 # ---------------------------------------------------------------------------------------------
@@ -395,14 +407,7 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
     num_updates = config.total_timesteps // steps_per_update
     minibatch_size = batch_size // config.num_minibatches
     num_optimizer_steps = num_updates * config.update_epochs * config.num_minibatches
-    network = ActorCritic(
-        spec.num_actions,
-        spec.discrete,
-        len(spec.obs_shape),
-        config.hidden_size,
-        config.activation,
-        config.torso,
-    )
+    network = make_network(config, spec)
 
     def to_env_action(action):
         return action if spec.discrete else jnp.clip(action, spec.action_low, spec.action_high)

@@ -267,15 +267,7 @@ def train_one_update(monkeypatch, config, **env_params):
 
 
 def network_of(config):
-    spec = env_spec(config.env)
-    return ActorCritic(
-        spec.num_actions,
-        spec.discrete,
-        len(spec.obs_shape),
-        config.hidden_size,
-        config.activation,
-        config.torso,
-    )
+    return purejaxrl_ppo.make_network(config, env_spec(config.env))
 
 
 def test_update_step_bootstraps_truncations_from_the_final_observation(monkeypatch):
