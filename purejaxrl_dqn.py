@@ -41,7 +41,7 @@ from utils.devices import DEVICE_AXIS, device_mean
 from utils.driver import run_training
 from utils.envs import env_family, env_spec, episode_metrics, make_env
 from utils.errors import ConfigError
-from utils.evaluation import evaluate_policy
+from utils.evaluation import Policy, evaluate_policy, memoryless
 from utils.layers import Conv3x3
 from utils.trainer import Runtime, Trainer, hyperparams_of
 
@@ -524,11 +524,8 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
     def train_chunk(state: TrainState, num_updates: int):
         return jax.lax.scan(_update_step, state, None, num_updates)
 
-    def greedy_policy(state: TrainState):
-        def act(obs):
-            return jnp.argmax(network.apply(state.params, obs), axis=-1)
-
-        return act
+    def greedy_policy(state: TrainState) -> Policy:
+        return memoryless(lambda obs: jnp.argmax(network.apply(state.params, obs), axis=-1))
 
     def evaluate(state: TrainState, key):
         return evaluate_policy(

@@ -3,9 +3,11 @@
     python purejaxrl_ppo.py --env CartPole
     python purejaxrl_ppo.py --env Breakout --num-seeds 4   # MinAtar Breakout (gymnax), not ALE
 
-Read top to bottom: Config and presets, the network and its action distributions, the two
-targets-and-loss functions (GAE and the clipped PPO loss), then `make_train`, whose `_update_step`
-is one PPO iteration: rollout -> GAE -> epochs x shuffled minibatches of Adam steps.
+Read top to bottom: Config and presets, the network and its action distributions (feed-forward,
+or with a GRU for --memory gru), the running statistics of --normalize-obs / --normalize-reward,
+the two targets-and-loss functions (GAE and the clipped PPO loss), then `make_train`, whose
+`_update_step` is one PPO iteration: rollout -> GAE -> epochs x shuffled minibatches of Adam
+steps.
 """
 
 from __future__ import annotations
@@ -29,11 +31,11 @@ from utils.cli import (
     require_in,
     require_positive,
 )
-from utils.devices import DEVICE_AXIS, device_mean
+from utils.devices import DEVICE_AXIS, device_mean, device_sum
 from utils.driver import run_training
 from utils.envs import env_spec, episode_metrics, make_env
 from utils.errors import ConfigError
-from utils.evaluation import evaluate_policy
+from utils.evaluation import Policy, evaluate_policy
 from utils.layers import Conv3x3
 from utils.trainer import Runtime, Trainer, hyperparams_of
 
@@ -82,6 +84,14 @@ class Config(EpisodeRunConfig):
     """hidden activation"""
     torso: Literal["mlp", "cnn"] = "mlp"
     """mlp: flattened observation; cnn: a 3x3 convolution first (image observations only)"""
+    memory: Literal["none", "gru"] = "none"
+    """gru: a GRU of hidden-size units between the torso and the heads, carried through each
+    episode and reset where one starts, for envs the last observation does not describe;
+    none: a feed-forward policy"""
+    normalize_obs: bool = False
+    """normalise observations by their running mean and std (frozen for evaluation)"""
+    normalize_reward: bool = False
+    """divide rewards by the running std of the discounted return"""
 
 
 # Defaults per env family; any flag overrides them. "classic" is PureJaxRL's CartPole setting.
@@ -169,6 +179,13 @@ class DiagGaussian(NamedTuple):
         return self.mean
 
 
+def action_distribution(out, discrete: bool, log_std=None):
+    """The policy a head's output describes: logits, or a Gaussian's mean with `log_std`."""
+    if discrete:
+        return Categorical(out)
+    return DiagGaussian(out, jnp.broadcast_to(log_std, out.shape))
+
+
 class ActorCritic(nn.Module):
     """Separate actor and critic networks (CleanRL's layout and orthogonal initialisation).
 
@@ -209,18 +226,83 @@ class ActorCritic(nn.Module):
         return self.policy(obs), self.value(obs)
 
     def policy(self, obs):
-        out = self.actor(obs)
-        if self.discrete:
-            return Categorical(out)
-        return DiagGaussian(out, jnp.broadcast_to(self.log_std, out.shape))
+        return action_distribution(
+            self.actor(obs), self.discrete, None if self.discrete else self.log_std
+        )
 
     def value(self, obs):
         return self.critic(obs)[..., 0]
 
 
-def make_network(config: Config, spec) -> ActorCritic:
+class ResettingGRU(nn.Module):
+    """A GRU over a sequence whose carry is set to zeros where an episode starts."""
+
+    features: int
+
+    @nn.compact
+    def __call__(self, carry, xs, starts):
+        """carry [B, H] before the sequence, xs [T, B, F], starts [T, B] bool -> (carry after
+        the sequence, outputs [T, B, H]; the output of a step is the carry after it)."""
+
+        def _step(cell, carry, step):
+            x, start = step
+            # Where x begins an episode, nothing from the episode before may reach it.
+            return cell(jnp.where(start[:, None], 0.0, carry), x)
+
+        scan = nn.scan(_step, variable_broadcast="params", split_rngs={"params": False})
+        return scan(nn.GRUCell(self.features), carry, (xs, starts))
+
+
+class RecurrentActorCritic(nn.Module):
+    """--memory gru: PureJaxRL's recurrent layout. A torso (the 3x3 convolution of the "cnn"
+    torso if asked, then one hidden layer), a GRU that actor and critic share, then one hidden
+    layer and a linear head each. A GRU rather than an LSTM: one carry array instead of two,
+    and as good on the memory tasks PureJaxRL and popgym report. The memory is the GRU's carry,
+    [B, hidden_size]."""
+
+    num_actions: int
+    discrete: bool
+    obs_ndim: int
+    hidden_size: int
+    activation: str
+    torso: str
+
+    @nn.compact
+    def __call__(self, memory, obs, starts):
+        """obs [T, B, *obs_shape] with starts [T, B] (True where obs begins an episode), from
+        `memory` [B, H] before obs[0] -> (memory after obs[-1], policy [T, B], value [T, B])."""
+        activation = nn.tanh if self.activation == "tanh" else nn.relu
+        orthogonal = nn.initializers.orthogonal
+        x = obs
+        if self.torso == "cnn":
+            x = activation(Conv3x3(16, kernel_init=orthogonal(np.sqrt(2)))(x))
+        x = x.reshape(*x.shape[: x.ndim - self.obs_ndim], -1)
+        x = activation(nn.Dense(self.hidden_size, kernel_init=orthogonal(np.sqrt(2)))(x))
+        memory, x = ResettingGRU(self.hidden_size)(memory, x, starts)
+
+        def head(out_size, out_scale):
+            hidden = nn.Dense(self.hidden_size, kernel_init=orthogonal(np.sqrt(2)))
+            return nn.Sequential(
+                [hidden, activation, nn.Dense(out_size, kernel_init=orthogonal(out_scale))]
+            )
+
+        log_std = None
+        if not self.discrete:
+            log_std = self.param("log_std", nn.initializers.zeros, (self.num_actions,))
+        pi = action_distribution(head(self.num_actions, 0.01)(x), self.discrete, log_std)
+        return memory, pi, head(1, 1.0)(x)[..., 0]
+
+    def step(self, memory, obs, starts):
+        """One step of a batch: obs [B, *obs_shape], starts [B] -> (memory, policy [B],
+        value [B])."""
+        memory, pi, value = self(memory, obs[None], starts[None])
+        return memory, jax.tree.map(lambda x: x[0], pi), value[0]
+
+
+def make_network(config: Config, spec) -> ActorCritic | RecurrentActorCritic:
     """The actor-critic of this config for an env of this `EnvSpec`."""
-    return ActorCritic(
+    network = RecurrentActorCritic if config.memory == "gru" else ActorCritic
+    return network(
         spec.num_actions,
         spec.discrete,
         len(spec.obs_shape),
@@ -228,6 +310,57 @@ def make_network(config: Config, spec) -> ActorCritic:
         config.activation,
         config.torso,
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Running statistics: --normalize-obs and --normalize-reward
+# ---------------------------------------------------------------------------------------------
+
+
+class RunningStats(NamedTuple):
+    """Count, mean and population variance of every value seen so far."""
+
+    count: jax.Array  # []
+    mean: jax.Array  # [*shape]
+    var: jax.Array  # [*shape]
+
+
+def initial_stats(shape) -> RunningStats:
+    # As gym's RunningMeanStd: mean 0, variance 1 and a tiny count, so that the first batch all
+    # but replaces them and nothing divides by zero.
+    return RunningStats(jnp.float32(1e-4), jnp.zeros(shape), jnp.ones(shape))
+
+
+def merge_stats(a: RunningStats, b: RunningStats) -> RunningStats:
+    """The statistics of two disjoint sets of values together (Chan et al.'s parallel merge)."""
+    count = a.count + b.count
+    delta = b.mean - a.mean
+    mean = a.mean + delta * (b.count / count)
+    sum_sq = a.var * a.count + b.var * b.count + delta**2 * (a.count * b.count / count)
+    return RunningStats(count, mean, sum_sq / count)
+
+
+def batch_stats(x) -> RunningStats:
+    """The statistics of a batch x [B, *shape] on every device together, the same on each: a
+    two-pass mean and variance over all devices' values. Call it inside the driver's pmap."""
+    count = device_sum(jnp.float32(x.shape[0]))
+    mean = device_sum(x.sum(0)) / count
+    return RunningStats(count, mean, device_sum(((x - mean) ** 2).sum(0)) / count)
+
+
+def normalize(stats: RunningStats, x, clip: float = 10.0):
+    """x scaled to zero mean and unit variance by `stats`, clipped to +-clip (CleanRL's 10)."""
+    return jnp.clip((x - stats.mean) / jnp.sqrt(stats.var + 1e-8), -clip, clip)
+
+
+class Normalizer(NamedTuple):
+    """What --normalize-obs and --normalize-reward keep: CleanRL's and PureJaxRL's wrappers,
+    held in the training state. One set per seed, merged over devices; without the flags it
+    is never updated or used."""
+
+    obs: RunningStats  # of every observation the environments returned, [*obs_shape]
+    returns: RunningStats  # of the discounted returns below, []
+    discounted_return: jax.Array  # [E] discounted reward sum of each env's running episode
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,9 +458,12 @@ def ppo_loss(
 
 
 class Transition(NamedTuple):
-    """One step of every environment; stacked by the rollout's scan into [T, E, ...]."""
+    """One step of every environment; stacked by the rollout's scan into [T, E, ...]. With
+    --normalize-obs the observations are normalised and with --normalize-reward the reward is
+    scaled, as the agent learns from them."""
 
     obs: jax.Array  # [E, *obs_shape] the observation acted on
+    start: jax.Array  # [E] bool, True where obs is the first observation of its episode
     action: jax.Array  # [E] int (discrete) or [E, action_dim] float (continuous)
     log_prob: jax.Array  # [E] of the action under the acting policy
     value: jax.Array  # [E] critic's value of obs
@@ -335,6 +471,7 @@ class Transition(NamedTuple):
     terminated: jax.Array  # [E] 1.0 where the episode ended in a terminal state
     truncated: jax.Array  # [E] 1.0 where a time limit cut the episode off
     final_obs: jax.Array  # [E, *obs_shape] observation the step ended in, before any reset
+    memory: jax.Array  # [E, H] the policy's memory after acting on obs (() without --memory)
     episode_return: jax.Array  # [E] return of the episode that ended here (where done)
     episode_length: jax.Array  # [E]
 
@@ -345,6 +482,9 @@ class RunnerState(NamedTuple):
     hparams: HyperParams  # scalars: this run's swept values
     env_state: object  # leaves [E, ...]
     obs: jax.Array  # [E, *obs_shape] the observation of the next step
+    starts: jax.Array  # [E] bool, True where obs is the first observation of its episode
+    memory: jax.Array  # [E, H] the memory after the last step, reset where starts (or ())
+    normalizer: Normalizer
     key: jax.Array
 
 
@@ -384,6 +524,12 @@ def validate(config: Config, runtime: Runtime) -> None:
             f"the rollout batch per device ({envs_per_device} envs x {config.num_steps} steps = "
             f"{batch_size}) is not divisible by --num-minibatches {config.num_minibatches}"
         )
+    if config.memory != "none" and envs_per_device % config.num_minibatches:
+        raise ConfigError(
+            f"--memory {config.memory} keeps each environment's sequence whole, so the "
+            f"{envs_per_device} envs per device must be divisible by --num-minibatches "
+            f"{config.num_minibatches}"
+        )
     steps_per_update = config.num_envs * config.num_steps
     if config.total_timesteps < steps_per_update:
         raise ConfigError(
@@ -408,6 +554,58 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
     minibatch_size = batch_size // config.num_minibatches
     num_optimizer_steps = num_updates * config.update_epochs * config.num_minibatches
     network = make_network(config, spec)
+    recurrent = config.memory != "none"
+
+    def initial_memory(batch_size):
+        """The memory of a batch before its first step: the GRU's zero carry [B, H], or ()."""
+        return jnp.zeros((batch_size, config.hidden_size)) if recurrent else ()
+
+    def forward(params, memory, obs, starts):
+        """(memory, policy, value) of observations: for --memory a sequence obs [T, B, ...] with
+        starts [T, B] from memory [B, H]; otherwise a batch of any shape (memory passes by)."""
+        if recurrent:
+            return network.apply(params, memory, obs, starts)
+        return (memory, *network.apply(params, obs))
+
+    def policy_step(params, memory, obs, starts):
+        """(memory, policy, value) of one step of a batch: obs [B, ...], starts [B]."""
+        if recurrent:
+            return network.apply(params, memory, obs, starts, method=RecurrentActorCritic.step)
+        return forward(params, memory, obs, starts)
+
+    def continuation_values(params, memory, obs):
+        """Values of observations obs [T, E, ...] that go on with the episode of the step before
+        them, whose memory after it is memory [T, E, H]."""
+        if not recurrent:
+            return network.apply(params, obs, method=ActorCritic.value)
+        steps = obs.shape[0] * obs.shape[1]
+        _, _, value = policy_step(
+            params,
+            memory.reshape(steps, config.hidden_size),
+            obs.reshape(steps, *obs.shape[2:]),
+            jnp.zeros(steps, bool),
+        )
+        return value.reshape(obs.shape[:2])
+
+    # As CleanRL's wrappers do, the statistics first take in what the environments returned
+    # (observations, not final observations; discounted returns), then scale it.
+    def observe(normalizer: Normalizer, obs, final_obs):
+        """Observations [E, ...] and final observations as the agent sees them."""
+        if not config.normalize_obs:
+            return normalizer, obs, final_obs
+        obs_stats = merge_stats(normalizer.obs, batch_stats(obs))
+        normalizer = normalizer._replace(obs=obs_stats)
+        return normalizer, normalize(obs_stats, obs), normalize(obs_stats, final_obs)
+
+    def scale_reward(normalizer: Normalizer, reward, starts, gamma):
+        """A step's rewards [E] as the agent learns from them; `starts` [E] marks the envs
+        whose step began an episode, where the discounted return starts again."""
+        if not config.normalize_reward:
+            return normalizer, reward
+        discounted = reward + gamma * normalizer.discounted_return * (1.0 - starts)
+        return_stats = merge_stats(normalizer.returns, batch_stats(discounted))
+        reward = jnp.clip(reward / jnp.sqrt(return_stats.var + 1e-8), -10.0, 10.0)
+        return normalizer._replace(returns=return_stats, discounted_return=discounted), reward
 
     def to_env_action(action):
         return action if spec.discrete else jnp.clip(action, spec.action_low, spec.action_high)
@@ -432,9 +630,34 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
         obs, env_state = jax.vmap(env.reset, in_axes=(0, None))(
             jax.random.split(reset_key, envs_per_device), env_params
         )
-        params = network.init(init_key, obs)
+        starts = jnp.ones(envs_per_device, bool)
+        memory = initial_memory(envs_per_device)
+        normalizer = Normalizer(
+            initial_stats(spec.obs_shape), initial_stats(()), jnp.zeros(envs_per_device)
+        )
+        normalizer, obs, _ = observe(normalizer, obs, obs)
+        if recurrent:
+            params = network.init(init_key, memory, obs[None], starts[None])
+        else:
+            params = network.init(init_key, obs)
         opt_state = make_optimizer(hp).init(params)
-        return RunnerState(params, opt_state, hp, env_state, obs, run_key)
+        return RunnerState(
+            params, opt_state, hp, env_state, obs, starts, memory, normalizer, run_key
+        )
+
+    def whole_sequence_minibatches(key, b_memory, b_rollout):
+        """--memory: the rollout split over shuffled environments, each keeping its whole
+        sequence and its memory before it: memory [num_minibatches, E / num_minibatches, H] and
+        rollout leaves [num_minibatches, T, E / num_minibatches, ...]."""
+        permutation = jax.random.permutation(key, envs_per_device)
+
+        def split(x, env_axis):
+            x = jnp.take(x, permutation, axis=env_axis)
+            shape = (config.num_minibatches, envs_per_device // config.num_minibatches)
+            x = x.reshape(*x.shape[:env_axis], *shape, *x.shape[env_axis + 1 :])
+            return jnp.moveaxis(x, env_axis, 0)
+
+        return split(b_memory, 0), jax.tree.map(lambda x: split(x, 1), b_rollout)
 
     def _update_step(runner_state: RunnerState, _):
         hp = runner_state.hparams
@@ -443,7 +666,9 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
         # 1. Rollout: num_steps steps of every environment with the current policy.
         def _env_step(runner_state: RunnerState, _):
             key, action_key, step_key = jax.random.split(runner_state.key, 3)
-            pi, value = network.apply(runner_state.params, runner_state.obs)
+            memory, pi, value = policy_step(
+                runner_state.params, runner_state.memory, runner_state.obs, runner_state.starts
+            )
             action = pi.sample(action_key)
             obs, env_state, reward, terminated, truncated, info = jax.vmap(
                 env.step, in_axes=(0, 0, 0, None)
@@ -453,26 +678,45 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
                 to_env_action(action),
                 env_params,
             )
+            normalizer, obs, final_obs = observe(
+                runner_state.normalizer, obs, info["final_observation"]
+            )
+            normalizer, reward = scale_reward(normalizer, reward, runner_state.starts, hp.gamma)
             transition = Transition(
                 runner_state.obs,
+                runner_state.starts,
                 action,
                 pi.log_prob(action),
                 value,
                 reward,
                 terminated.astype(jnp.float32),
                 truncated.astype(jnp.float32),
-                info["final_observation"],
+                final_obs,
+                memory,
                 info["episode_return"],
                 info["episode_length"],
             )
-            return runner_state._replace(env_state=env_state, obs=obs, key=key), transition
+            # gymnax resets an env whose episode ended, so its next observation starts one.
+            runner_state = runner_state._replace(
+                env_state=env_state,
+                obs=obs,
+                starts=terminated | truncated,
+                memory=memory,
+                normalizer=normalizer,
+                key=key,
+            )
+            return runner_state, transition
 
+        rollout_memory = runner_state.memory  # [E, H] each sequence's memory before its start
         runner_state, traj = jax.lax.scan(_env_step, runner_state, None, config.num_steps)
 
-        # 2. Targets, with time-limit truncations bootstrapped from their final observation.
+        # 2. Targets, with time-limit truncations bootstrapped from their final observation,
+        # seen with the memory of the step that ended in it.
         params = runner_state.params
-        last_value = network.apply(params, runner_state.obs, method=ActorCritic.value)
-        final_values = network.apply(params, traj.final_obs, method=ActorCritic.value)
+        _, _, last_value = policy_step(
+            params, runner_state.memory, runner_state.obs, runner_state.starts
+        )
+        final_values = continuation_values(params, traj.memory, traj.final_obs)
         advantages, targets = rollout_targets(
             traj, last_value, final_values, hp.gamma, hp.gae_lambda
         )
@@ -481,10 +725,10 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
         def _update_epoch(carry, _):
             def _update_minibatch(carry, minibatch):
                 params, opt_state = carry
-                mb_traj, mb_advantages, mb_targets = minibatch
+                mb_memory, (mb_traj, mb_advantages, mb_targets) = minibatch
 
                 def _loss(params):
-                    pi, value = network.apply(params, mb_traj.obs)
+                    _, pi, value = forward(params, mb_memory, mb_traj.obs, mb_traj.start)
                     return ppo_loss(
                         pi.log_prob(mb_traj.action),
                         pi.entropy(),
@@ -505,15 +749,21 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
 
             params, opt_state, key = carry
             key, permutation_key = jax.random.split(key)
-            permutation = jax.random.permutation(permutation_key, batch_size)
-            # The rollout as one batch of T x E steps, shuffled into [num_minibatches, M, ...].
             b_rollout = (traj, advantages, targets)
-            minibatches = jax.tree.map(
-                lambda x: x.reshape(batch_size, *x.shape[2:])[permutation].reshape(
-                    config.num_minibatches, minibatch_size, *x.shape[2:]
-                ),
-                b_rollout,
-            )
+            if recurrent:
+                minibatches = whole_sequence_minibatches(permutation_key, rollout_memory, b_rollout)
+            else:
+                # The rollout as one batch of T x E steps, shuffled into [num_minibatches, M, ...].
+                permutation = jax.random.permutation(permutation_key, batch_size)
+                minibatches = (
+                    None,
+                    jax.tree.map(
+                        lambda x: x.reshape(batch_size, *x.shape[2:])[permutation].reshape(
+                            config.num_minibatches, minibatch_size, *x.shape[2:]
+                        ),
+                        b_rollout,
+                    ),
+                )
             (params, opt_state), info = jax.lax.scan(
                 _update_minibatch, (params, opt_state), minibatches
             )
@@ -538,13 +788,18 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
     def train_chunk(runner_state: RunnerState, num_updates: int):
         return jax.lax.scan(_update_step, runner_state, None, num_updates)
 
-    def greedy_policy(runner_state: RunnerState):
-        def act(obs):
-            return to_env_action(
-                network.apply(runner_state.params, obs, method=ActorCritic.policy).mode()
-            )
+    def greedy_policy(runner_state: RunnerState) -> Policy:
+        """The most likely action, on observations normalised by the statistics training ended
+        with (frozen)."""
 
-        return act
+        def act(obs, memory):
+            if config.normalize_obs:
+                obs = normalize(runner_state.normalizer.obs, obs)
+            starts = jnp.zeros(obs.shape[0], bool)  # the memory starts at zero instead
+            memory, pi, _ = policy_step(runner_state.params, memory, obs, starts)
+            return to_env_action(pi.mode()), memory
+
+        return Policy(act, initial_memory)
 
     def evaluate(runner_state: RunnerState, key):
         return evaluate_policy(

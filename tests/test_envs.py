@@ -6,7 +6,7 @@ import numpy as np
 
 from utils.devices import DEVICE_AXIS
 from utils.envs import episode_metrics, make_env
-from utils.evaluation import evaluate_policy
+from utils.evaluation import evaluate_policy, memoryless
 
 
 def test_episode_stats_match_a_step_by_step_tally():
@@ -48,7 +48,7 @@ def test_evaluate_policy_returns_each_episodes_undiscounted_return():
         return (obs[:, 2] > 0).astype(jnp.int32)
 
     key = jax.random.PRNGKey(3)
-    returns = evaluate_policy(env, env_params, policy, key, 4, spec.max_episode_steps)
+    returns = evaluate_policy(env, env_params, memoryless(policy), key, 4, spec.max_episode_steps)
     reset_key, step_key = jax.random.split(key)
     obs, state = jax.vmap(env.reset, in_axes=(0, None))(jax.random.split(reset_key, 4), env_params)
     expected, finished = np.zeros(4), np.zeros(4, bool)

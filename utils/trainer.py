@@ -78,7 +78,7 @@ class Trainer:
     # evaluation then (--eval-episodes 0, or a trainer that evaluates inside its chunks)
     evaluate: Callable | None
     runtime: Runtime  # what the trainer was built for
-    # (state) -> (obs batch -> action batch): the policy whose episode is filmed after training
+    # (state) -> utils.evaluation.Policy: the policy whose episode is filmed after training
     # (--capture-video); None for no video
     video_policy: Callable | None = None
     # (run_dir, update, records) -> written files, on the host after a chunk with records

@@ -11,6 +11,8 @@ import os
 import jax
 import numpy as np
 
+from utils.evaluation import Policy
+
 # The envs gymnax's Visualizer can draw (gymnax/visualize/visualizer.py).
 RENDERABLE_ENVS = frozenset(
     {
@@ -32,26 +34,27 @@ RENDERABLE_ENVS = frozenset(
 )
 
 
-def rollout_states(env, env_params, policy, key):
-    """One episode of `policy` (obs batch -> action batch) in a plain gymnax env: the env
-    states it passed through (a list, first state first) and its return."""
+def rollout_states(env, env_params, policy: Policy, key):
+    """One episode of `policy` in a plain gymnax env: the env states it passed through (a list,
+    first state first) and its return."""
     max_steps = int(env_params.max_steps_in_episode)
 
     def _step(carry, step_key):
-        obs, state, done, total = carry
-        action = policy(obs[None])[0]
+        obs, state, memory, done, total = carry
+        action, memory = policy.act(obs[None], memory)
         obs, next_state, reward, terminated, truncated, _ = env.step(
-            step_key, state, action, env_params
+            step_key, state, action[0], env_params
         )
         total = total + jax.numpy.where(done, 0.0, reward)
-        return (obs, next_state, done | terminated | truncated, total), (state, done)
+        return (obs, next_state, memory, done | terminated | truncated, total), (state, done)
 
     @jax.jit
     def episode(key):
         reset_key, key = jax.random.split(key)
         obs, state = env.reset(reset_key, env_params)
-        carry = (obs, state, jax.numpy.bool_(False), jax.numpy.float32(0.0))
-        (_, _, _, total), (states, done_before) = jax.lax.scan(
+        memory = policy.initial_memory(1)
+        carry = (obs, state, memory, jax.numpy.bool_(False), jax.numpy.float32(0.0))
+        (*_, total), (states, done_before) = jax.lax.scan(
             _step, carry, jax.random.split(key, max_steps)
         )
         return states, done_before, total
@@ -61,7 +64,7 @@ def rollout_states(env, env_params, policy, key):
     return [jax.tree.map(lambda x, t=t: x[t], states) for t in range(length)], float(total)
 
 
-def write_episode_gif(env_id: str, policy, key, path: str) -> str | None:
+def write_episode_gif(env_id: str, policy: Policy, key, path: str) -> str | None:
     """Write one greedy episode as a GIF at `path`; returns the path, or None (and prints one
     line) when gymnax has no renderer for the env."""
     if env_id not in RENDERABLE_ENVS:
