@@ -1,17 +1,26 @@
 """PPO through the driver, end to end: the divergence guard and re-evaluation on a real
-training state, the CNN torso on MinAtar, and 2 devices against 1. (tests/test_ppo.py has the
+training state, the CNN torso on MinAtar, memory and normalisation with seeds, sweeps, video,
+resume and 2 devices, and 2 devices against 1. (tests/test_ppo.py has the
 targets, the loss and the update step; the README's guide copies that file.)"""
 
 import json
 import os
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
 import purejaxrl_ppo
 from purejaxrl_ppo import PRESETS, Config
-from tests.helpers import TINY_PPO, run_script
+from tests.helpers import (
+    TINY_PPO,
+    assert_identical_runs,
+    assert_seed_matches_single_run,
+    checkpoint_state,
+    run_script,
+)
+from utils import driver
 from utils.cli import parse_config
 from utils.driver import run_training
 
@@ -150,3 +159,71 @@ def test_two_devices_train_one_agent_with_averaged_gradients():
     # and are far below what summed gradients give: 4e-4 and 3 (Adam's second moment x 4).
     assert found["params_against_one"] < 1e-5, found
     assert found["adam_against_one"] < 1e-3, found
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory and normalisation through the driver
+# ---------------------------------------------------------------------------------------------
+
+MEMORY_AND_NORMALISATION = ["--memory", "gru", "--hidden-size", "16", "--normalize-obs",
+                            "--normalize-reward"]  # fmt: skip
+
+
+def train_ppo(tiny_ppo_args, *flags):
+    config = parse_config(Config, PRESETS, [*tiny_ppo_args, *MEMORY_AND_NORMALISATION, *flags])
+    return run_training(config, purejaxrl_ppo.make_train, purejaxrl_ppo.validate)
+
+
+def test_memory_and_normalisation_resume_exactly_and_batch_seeds_and_sweeps(
+    tiny_ppo_args, monkeypatch
+):
+    """A run with --memory gru and both normalisations stopped after update 4 and resumed
+    equals the run that was never stopped, bit for bit: the GRU's memory, the statistics and
+    the discounted returns are in the checkpoint. Run 3 of 2 seeds x 2 gammas, trained side by
+    side with a video of the greedy policy, equals the single run with its seed and gamma."""
+    alone = train_ppo(tiny_ppo_args, "--seed", "2", "--gamma", "0.9")
+
+    def interrupt_after_update_4(self, done, *_):
+        if done == 4:
+            raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(driver._Progress, "update", interrupt_after_update_4)
+        with pytest.raises(SystemExit):
+            train_ppo(tiny_ppo_args, "--seed", "2", "--gamma", "0.9")
+    (interrupted,) = {str(d) for d in Path(tiny_ppo_args[-1]).iterdir()} - {alone["run_dir"]}
+    resumed = run_training(
+        parse_config(Config, PRESETS, ["--resume", interrupted, "--no-progress"]),
+        purejaxrl_ppo.make_train,
+        purejaxrl_ppo.validate,
+    )
+    assert resumed["resumed_from_update"] == 4
+    assert_identical_runs(alone["run_dir"], interrupted)
+    state = checkpoint_state(purejaxrl_ppo, interrupted)
+    assert state.memory.shape == (1, 1, 4, 16) and np.abs(state.memory).max() > 0
+    assert state.normalizer.obs.count[0, 0] == 1e-4 + 4 * (8 * 16 + 1)
+
+    together = train_ppo(
+        tiny_ppo_args, "--num-seeds", "2", "--sweep", "gamma=0.99,0.9", "--capture-video"
+    )
+    assert_seed_matches_single_run(together, 3, alone)
+    assert os.path.isfile(os.path.join(together["run_dir"], "videos", "final.gif"))
+
+
+def test_memory_and_normalisation_on_two_devices_share_parameters_and_statistics(tmp_path):
+    """Each device steps its own environments, so each keeps its own memory and discounted
+    returns; the statistics are merged over both devices and stay the same on each, as the
+    parameters do."""
+    result = run_script(
+        "purejaxrl_ppo.py", "--env", "CartPole", *TINY_PPO, *MEMORY_AND_NORMALISATION,
+        "--num-devices", "2", "--no-progress", "--runs-dir", str(tmp_path), devices=2,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = tmp_path.iterdir()
+    state = checkpoint_state(purejaxrl_ppo, run_dir)  # leaves [devices, runs, ...]
+    shared = (state.params, state.normalizer.obs, state.normalizer.returns)
+    for leaf in jax.tree.leaves(shared):
+        np.testing.assert_array_equal(leaf[0], leaf[1])
+    for leaf in (state.memory, state.normalizer.discounted_return):
+        assert leaf.shape[2] == 2 and not np.array_equal(leaf[0], leaf[1])
+    assert state.normalizer.obs.count[0, 0] == 1e-4 + 4 * (8 * 16 + 1)
