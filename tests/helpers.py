@@ -1,6 +1,7 @@
 """Helpers shared by the tests."""
 
 import csv
+import functools
 import json
 import os
 import signal
@@ -8,9 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import gymnax
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from gymnax.environments.classic_control import cartpole
 
 from utils.devices import DEVICE_AXIS, xla_flags_with, xla_flags_with_cpu_devices
 
@@ -205,3 +208,104 @@ def assert_seed_matches_single_run(together: dict, index: int, alone: dict):
     a, b = checkpoint_leaves(together), checkpoint_leaves(alone)
     for name in a:  # every leaf is [devices, runs, ...]
         np.testing.assert_allclose(a[name][:, index], b[name][:, 0], rtol=1e-4, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# PPO: plain references and one update step watched from outside
+# ---------------------------------------------------------------------------------------------
+
+
+def gae_reference(rewards, values, last_value, final_values, terminated, truncated, gamma, lam):
+    """Textbook GAE, one environment and one step at a time."""
+    num_steps, num_envs = rewards.shape
+    advantages = np.zeros((num_steps, num_envs))
+    for n in range(num_envs):
+        next_advantage = 0.0
+        for t in reversed(range(num_steps)):
+            if terminated[t, n]:
+                next_value = 0.0
+            elif truncated[t, n]:
+                next_value = final_values[t, n]
+            elif t + 1 < num_steps:
+                next_value = values[t + 1, n]
+            else:
+                next_value = last_value[n]
+            delta = rewards[t, n] + gamma * next_value - values[t, n]
+            episode_ended = terminated[t, n] or truncated[t, n]
+            next_advantage = delta + (0.0 if episode_ended else gamma * lam * next_advantage)
+            advantages[t, n] = next_advantage
+    return advantages, advantages + values
+
+
+def train_one_update(ppo, monkeypatch, config, **env_params):
+    """One update step of the real trainer of the PPO module `ppo`, with these gymnax env params
+    replaced, watched from outside: its state before and after, the rollout it collected and the advantages and targets
+    it learned from (as `rollout_targets` returned them), every action its environments
+    received and, in order, every batch its running statistics took in (`batch_stats`, with
+    --normalize-obs or --normalize-reward). Leaves without the device axis."""
+    seen = {"env_actions": [], "stats_batches": []}
+    make_env, targets_of = ppo.make_env, ppo.rollout_targets
+    stats_of = ppo.batch_stats
+
+    class ActionRecorder:
+        """The environment, recording every action it receives."""
+
+        def __init__(self, env):
+            self.env = env
+
+        def __getattr__(self, name):
+            return getattr(self.env, name)
+
+        def step(self, key, state, action, params):
+            jax.debug.callback(seen["env_actions"].append, action)
+            return self.env.step(key, state, action, params)
+
+    def make_watched_env(name):
+        env, params, spec = make_env(name)
+        return ActionRecorder(env), params.replace(**env_params), spec
+
+    def watched_targets(traj, last_value, final_values, gamma, gae_lambda):
+        advantages, targets = targets_of(traj, last_value, final_values, gamma, gae_lambda)
+        jax.debug.callback(
+            lambda traj, advantages, targets: seen.update(
+                rollout=traj, advantages=advantages, targets=targets
+            ),
+            traj,
+            advantages,
+            targets,
+        )
+        return advantages, targets
+
+    def watched_stats(x):
+        jax.debug.callback(lambda x: seen["stats_batches"].append(np.asarray(x)), x)
+        return stats_of(x)
+
+    monkeypatch.setattr(ppo, "make_env", make_watched_env)
+    monkeypatch.setattr(ppo, "rollout_targets", watched_targets)
+    monkeypatch.setattr(ppo, "batch_stats", watched_stats)
+    trainer = ppo.make_train(config)
+    assert trainer.num_updates == 1
+    on_device = functools.partial(jax.vmap, axis_name=DEVICE_AXIS)  # the device axis, size 1
+    start = on_device(trainer.init, in_axes=(0, None))(
+        jax.random.PRNGKey(0)[None], trainer.hyperparams
+    )
+    end, _ = jax.jit(on_device(lambda state: trainer.train_chunk(state, 1)))(start)
+    jax.effects_barrier()
+    assert "rollout" in seen, "the update step no longer calls rollout_targets"
+    without_device_axis = functools.partial(jax.tree.map, lambda x: np.asarray(x[0]))
+    return {**seen, "start": without_device_axis(start), "end": without_device_axis(end)}
+
+
+def cartpole_stepped(obs, action):
+    """CartPole's observations [...] one step of its dynamics on (before any reset)."""
+    env, env_params = gymnax.make("CartPole-v1")
+
+    def stepped(obs, action):
+        x, x_dot, theta, theta_dot = obs
+        state = cartpole.EnvState(x=x, x_dot=x_dot, theta=theta, theta_dot=theta_dot, time=0)
+        return env.step_env(jax.random.PRNGKey(0), state, action, env_params)[0]
+
+    batch_axes = obs.ndim - 1
+    for _ in range(batch_axes):
+        stepped = jax.vmap(stepped)
+    return np.asarray(stepped(obs, action))

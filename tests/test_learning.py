@@ -91,7 +91,7 @@ def test_ppo_with_a_gru_remembers_memory_chains_cue_and_without_one_cannot(tmp_p
 
     flags = [
         "--env", "MemoryChain-bsuite", "--hidden-size", "64", "--num-envs", "16",
-        "--num-steps", "64", "--total-timesteps", "40960",
+        "--num-steps", "64", "--total-timesteps", "32768",
     ]  # fmt: skip
     summary = train(tmp_path, "purejaxrl_ppo", *flags, "--memory", "gru", "--num-seeds", "2")
     assert remembers(summary), summary
