@@ -192,3 +192,22 @@ def test_each_family_has_a_ppo_preset():
     assert {"craftax", "gridworld", "brax"} <= set(PRESETS)
     assert PRESETS["brax"]["normalize_obs"] and PRESETS["brax"]["normalize_reward"]
     assert Path(REPO / "utils" / "env_brax.py").exists()
+
+
+def test_capture_video_draws_a_gridworld_and_names_brax_without_a_renderer(tmp_path, capsys):
+    from PIL import Image
+
+    from utils.video import write_episode_gif
+
+    def turn_clockwise(obs):  # in place until the time limit: every frame differs from the last
+        return jnp.ones(obs.shape[0], jnp.int32)
+
+    gif = write_episode_gif(
+        "DoorKey", turn_clockwise, jax.random.PRNGKey(0), str(tmp_path / "a.gif")
+    )
+    with Image.open(gif) as frames:
+        assert frames.n_frames == make_env("DoorKey")[2].max_episode_steps == 250
+    assert write_episode_gif("Hopper", None, None, str(tmp_path / "b.gif")) is None
+    assert capsys.readouterr().out.strip() == (
+        "--capture-video: brax has no offline renderer for hopper-brax; no video written"
+    )

@@ -70,8 +70,9 @@ def rollout_states(env, env_params, policy, key, max_steps: int | None = None):
 def write_episode_gif(env_id: str, policy, key, path: str) -> str | None:
     """Write one greedy episode as a GIF at `path`; returns the path, or None (and prints one
     line) when there is no renderer for the env."""
-    from utils.envs import env_family, family_of
+    from utils.envs import env_family, family_of, resolve_env_id
 
+    env_id = resolve_env_id(env_id)
     if family_of(env_id) is not None:
         return _write_family_gif(env_id, env_family(env_id), policy, key, path)
     if env_id not in RENDERABLE_ENVS:
