@@ -39,7 +39,7 @@ from utils.cli import (
 )
 from utils.devices import DEVICE_AXIS, device_mean
 from utils.driver import run_training
-from utils.envs import env_family, env_spec, episode_metrics, make_env
+from utils.envs import EPISODE_INFO, env_family, env_spec, episode_metrics, make_env
 from utils.errors import ConfigError
 from utils.evaluation import Policy, evaluate_policy, memoryless
 from utils.layers import Conv3x3
@@ -451,13 +451,13 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
                 truncated.astype(jnp.float32),
                 info["final_observation"].astype(obs_dtype),
             )
-            episode = (terminated | truncated, info["episode_return"], info["episode_length"])
+            episode = (terminated | truncated, *(info[k] for k in EPISODE_INFO))
             state = state._replace(
                 env_state=env_state, obs=obs, key=key, timesteps=state.timesteps + config.num_envs
             )
             return state, (transition, episode, epsilon)
 
-        state, (steps, (done, episode_return, episode_length), epsilon) = jax.lax.scan(
+        state, (steps, (done, *episode), epsilon) = jax.lax.scan(
             _env_step, state, None, config.train_frequency
         )
         state = state._replace(buffer=buffer_add(state.buffer, steps))
@@ -514,7 +514,7 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
 
         # 4. Metrics, reduced here so nothing per-step is kept: episodes that ended this update.
         metrics = {
-            **episode_metrics(done, episode_return, episode_length),
+            **episode_metrics(done, *episode),
             "loss": device_mean(loss),
             "q_mean": device_mean(q_mean),
             "epsilon": epsilon[-1],

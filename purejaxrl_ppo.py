@@ -47,7 +47,8 @@ class Config(EpisodeRunConfig):
     env: str = "CartPole"
     """alias (CartPole, Acrobot, MountainCar, MountainCarContinuous, Pendulum, Breakout, Asterix,
     Freeway, SpaceInvaders, Seaquest, ...) or gymnax id; Breakout & co. are the MinAtar games of
-    gymnax, not ALE Atari. Each env family has its own preset defaults"""
+    gymnax, not ALE Atari. Also Craftax, Craftax-Classic, MiniGrid-DoorKey-5x5 & co.
+    (xminigrid), brax:hopper / Hopper & co. (Brax). Each env family has its own preset defaults"""
     total_timesteps: int = 500_000
     """environment steps per seed (all devices together)"""
     learning_rate: float = 2.5e-4
@@ -121,6 +122,51 @@ PRESETS = {
         update_epochs=10,
         gamma=0.95,
         ent_coef=0.0,
+    ),
+    # The Craftax paper's PPO baseline (Matthews et al. 2024, github.com/MichaelTMatthews/Craftax
+    # ppo.py: 1024 envs x 64 steps, 8 minibatches, 4 epochs, lr 2e-4, GAE lambda 0.8, 512-unit
+    # layers, grad norm 1.0), with 64 envs instead of 1024 for CPU (a GPU takes the 1024).
+    "craftax": dict(
+        total_timesteps=5_000_000,
+        learning_rate=2e-4,
+        num_envs=64,
+        num_steps=64,
+        num_minibatches=8,
+        update_epochs=4,
+        gae_lambda=0.8,
+        max_grad_norm=1.0,
+        hidden_size=512,
+        activation="relu",
+    ),
+    # XLand-MiniGrid's single-task PPO (train_single_task.py: lr 1e-3, 16 steps per rollout,
+    # 16 minibatches, 1 epoch, over 8192 envs) scaled to CPU: 64 envs x 32 steps, 4 minibatches,
+    # with the MLP torso on the one-hot view.
+    "gridworld": dict(
+        total_timesteps=1_000_000,
+        learning_rate=1e-3,
+        num_envs=64,
+        num_steps=32,
+        num_minibatches=4,
+        update_epochs=4,
+        hidden_size=128,
+        activation="relu",
+    ),
+    # PureJaxRL's continuous PPO on Brax (ppo_continuous_action.py: lr 3e-4, no annealing,
+    # 2048 envs x 10 steps, 32 minibatches, 4 epochs, tanh 256, entropy 0, normalised
+    # observations and rewards) scaled to CPU: 128 envs x 32 steps, 16 minibatches of 256. On a
+    # GPU take PureJaxRL's own batch: --num-envs 2048 --num-steps 10 --num-minibatches 32.
+    "brax": dict(
+        total_timesteps=5_000_000,
+        learning_rate=3e-4,
+        anneal_lr=False,
+        num_envs=128,
+        num_steps=32,
+        num_minibatches=16,
+        update_epochs=4,
+        ent_coef=0.0,
+        hidden_size=256,
+        normalize_obs=True,
+        normalize_reward=True,
     ),
 }
 
@@ -474,6 +520,7 @@ class Transition(NamedTuple):
     memory: jax.Array  # [E, H] the policy's memory after acting on obs (() without --memory)
     episode_return: jax.Array  # [E] return of the episode that ended here (where done)
     episode_length: jax.Array  # [E]
+    episode_stats: dict  # {name: [E]} the env family's extra statistics of that episode
 
 
 class RunnerState(NamedTuple):
@@ -695,6 +742,7 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
                 memory,
                 info["episode_return"],
                 info["episode_length"],
+                info["episode_stats"],
             )
             # gymnax resets an env whose episode ended, so its next observation starts one.
             runner_state = runner_state._replace(
@@ -780,7 +828,7 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
         # 4. Metrics, reduced here so nothing per-step is kept: episodes that ended this update.
         ended = jnp.logical_or(traj.terminated, traj.truncated)
         metrics = {
-            **episode_metrics(ended, traj.episode_return, traj.episode_length),
+            **episode_metrics(ended, traj.episode_return, traj.episode_length, traj.episode_stats),
             **{k: device_mean(v.mean()) for k, v in info._asdict().items()},
         }
         return runner_state, metrics

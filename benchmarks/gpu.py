@@ -1,13 +1,15 @@
-"""The accelerator benchmark: five runs that show what one GPU does, in one JSON file.
+"""The accelerator benchmark: seven runs that show what one GPU does, in one JSON file.
 
-    python benchmarks/gpu.py --out gpu.json             # on a CUDA machine, under 5 minutes
+    python benchmarks/gpu.py --out gpu.json             # on a CUDA machine, under 10 minutes
     python benchmarks/gpu.py --smoke --out smoke.json   # the same runs, tiny, on any CPU
+    python benchmarks/gpu.py --dry-run                  # parse and check every run's flags only
 
 Runs, each through the normal driver (metrics.csv and checkpoints as in a user's run, no
 progress bar, no final evaluation): PPO CartPole with 2048 envs; PPO CartPole with 256 vmapped
-seeds; PPO Breakout-MinAtar for 1e7 steps at its preset; DQN CartPole with 128 seeds;
-AlphaZero connect_four with 1024 games. Each row has steps (or moves) per second over all
-seeds, compile seconds and wall seconds.
+seeds; PPO Breakout-MinAtar for 1e7 steps at its preset; PPO Craftax-Classic with the Craftax
+paper's 1024 envs; PPO on Brax's hopper with PureJaxRL's 2048 envs x 10 steps; DQN CartPole
+with 128 seeds; AlphaZero connect_four with 1024 games. Each row has steps (or moves) per
+second over all seeds, compile seconds and wall seconds.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import purejaxrl_ppo
 from utils.cli import parse_config
 from utils.driver import run_training
 from utils.logs import write_json
+from utils.trainer import Runtime
 
 
 @dataclasses.dataclass
@@ -38,6 +41,10 @@ class Args:
     """tiny sizes, so that the script can be checked on a CPU in about a minute"""
     out: str = "gpu_benchmark.json"
     """where the JSON results go"""
+    skip: tuple[str, ...] = ()
+    """names of runs to leave out"""
+    dry_run: bool = False
+    """parse and validate every run's flags, at full and smoke size, and train nothing"""
 
 
 # name -> (trainer, flags at full size, flags in --smoke mode)
@@ -58,6 +65,18 @@ RUNS = {
         "--env Breakout --total-timesteps 10000000",
         "--env Breakout --num-envs 8 --num-steps 16 --total-timesteps 2048",
     ),
+    "ppo_craftax_classic_1024_envs": (
+        purejaxrl_ppo,
+        "--env Craftax-Classic --num-envs 1024 --total-timesteps 20000000",
+        "--env Craftax-Classic --num-envs 4 --num-steps 16 --num-minibatches 2 "
+        "--total-timesteps 128",
+    ),
+    "ppo_hopper_2048_envs": (
+        purejaxrl_ppo,
+        "--env Hopper --num-envs 2048 --num-steps 10 --num-minibatches 32 "
+        "--total-timesteps 20000000",
+        "--env Hopper --num-envs 4 --num-steps 16 --num-minibatches 2 --total-timesteps 128",
+    ),
     "dqn_cartpole_128_seeds": (
         purejaxrl_dqn,
         "--env CartPole --num-seeds 128 --total-timesteps 500000",
@@ -75,7 +94,29 @@ RUNS = {
 }
 
 
+def parse_run(trainer, flags: str, runs_dir: str, smoke: bool):
+    """The config of one run, through the trainers' command-line parsing."""
+    cli = [*flags.split(), "--runs-dir", runs_dir, "--no-progress"]
+    if trainer is purejaxrl_az:  # evaluates inside its loop, on the devices it finds
+        cli += ["--eval-games", "4" if smoke else "64", "--cpu-devices", "0"]
+        return parse_config(trainer.Config, trainer.PRESETS, cli, preset_key=trainer.resolve_game)
+    cli += ["--eval-episodes", "0"]
+    return parse_config(trainer.Config, trainer.PRESETS, cli)
+
+
+def dry_run() -> None:
+    """Every run's flags, at both sizes, parsed and validated as the driver would."""
+    for name, (trainer, full, smoke) in RUNS.items():
+        for size, flags in (("full", full), ("smoke", smoke)):
+            config = parse_run(trainer, flags, "runs", size == "smoke")
+            trainer.validate(config, Runtime())
+        print(f"{name}: flags parse and validate")
+
+
 def main(args: Args) -> dict:
+    if args.dry_run:
+        dry_run()
+        return {}
     results = {
         "date": time.strftime("%Y-%m-%d"),
         "devices": [str(d.device_kind) for d in jax.devices()],
@@ -88,16 +129,10 @@ def main(args: Args) -> dict:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as runs_dir:
         for name, (trainer, full, smoke) in RUNS.items():
+            if name in args.skip:
+                continue
             flags = smoke if args.smoke else full
-            cli = [*flags.split(), "--runs-dir", runs_dir, "--no-progress"]
-            if trainer is purejaxrl_az:  # evaluates inside its loop, on the devices it finds
-                cli += ["--eval-games", "4" if args.smoke else "64", "--cpu-devices", "0"]
-                config = parse_config(
-                    trainer.Config, trainer.PRESETS, cli, preset_key=trainer.resolve_game
-                )
-            else:
-                cli += ["--eval-episodes", "0"]
-                config = parse_config(trainer.Config, trainer.PRESETS, cli)
+            config = parse_run(trainer, flags, runs_dir, args.smoke)
             summary = run_training(config, trainer.make_train, trainer.validate)
             results["runs"][name] = {
                 "flags": flags,

@@ -2,13 +2,14 @@
 
     python benchmarks/throughput.py            # PPO and DQN on CartPole, PPO on Breakout-MinAtar
     python benchmarks/throughput.py --runs dqn:Breakout:1000000 "ppo:Acrobot:500000:--num-envs 8"
+    python benchmarks/throughput.py --families  # PPO on Craftax-Classic, DoorKey-5x5 and Hopper
 
 For each run (algo:env:env_steps[:extra flags]) the trainer runs at the env's preset through the
 normal driver (progress bar, metrics.csv and checkpoints at their default frequency), one seed
 unless the flags say otherwise. Its env steps per second, all seeds and sweep configurations
 together, exclude compilation. The limit is the same batch of environments (times the runs)
 stepped by a uniform-random policy inside one jitted scan: what the hardware does with no
-learning at all.
+learning at all. Name Brax envs without "brax:" here (Hopper): the colon separates the fields.
 """
 
 from __future__ import annotations
@@ -47,16 +48,34 @@ class Args:
         "ppo:CartPole:500000:--num-seeds 4 --sweep lr=2.5e-4,1e-3,1e-4",
     )
     """algo:env:env_steps[:extra flags], each at the env's preset plus the extra flags"""
+    families: bool = False
+    """run FAMILY_RUNS instead: PPO at the preset of each env family beyond gymnax"""
     progress: bool = True
     """keep the progress bar on, as a user would"""
     out: str | None = None
     """also write the results to this JSON file"""
 
 
+# The env families beyond gymnax, at their PPO presets (Craftax's whole preset would take an
+# hour on a 2-core CPU).
+FAMILY_RUNS = (
+    "ppo:Craftax-Classic:1000000",
+    "ppo:DoorKey:1000000",
+    "ppo:Hopper:1000000",
+)
+
+
+def random_action(spec, key, num_envs: int):
+    """A uniform-random action for each of `num_envs` envs of this EnvSpec."""
+    if spec.discrete:
+        return jax.random.randint(key, (num_envs,), 0, spec.num_actions)
+    shape = (num_envs, spec.num_actions)
+    return jax.random.uniform(key, shape, minval=spec.action_low, maxval=spec.action_high)
+
+
 def random_policy_steps_per_second(env_name: str, num_envs: int, num_steps: int) -> float:
     """Env steps/s of `num_envs` environments under a random policy, in one jitted scan."""
-    env, env_params, _ = make_env(env_name)
-    action_space = env.action_space(env_params)
+    env, env_params, spec = make_env(env_name)
 
     def rollout(key):
         reset_key, key = jax.random.split(key)
@@ -67,7 +86,7 @@ def random_policy_steps_per_second(env_name: str, num_envs: int, num_steps: int)
         def _step(carry, _):
             state, key, total = carry
             key, action_key, step_key = jax.random.split(key, 3)
-            action = jax.vmap(action_space.sample)(jax.random.split(action_key, num_envs))
+            action = random_action(spec, action_key, num_envs)
             _, state, reward, *_ = jax.vmap(env.step, in_axes=(0, 0, 0, None))(
                 jax.random.split(step_key, num_envs), state, action, env_params
             )
@@ -86,7 +105,7 @@ def random_policy_steps_per_second(env_name: str, num_envs: int, num_steps: int)
 def main(args: Args) -> list[dict]:
     results = []
     with tempfile.TemporaryDirectory() as runs_dir:
-        for run in args.runs:
+        for run in FAMILY_RUNS if args.families else args.runs:
             algo, env_name, budget, *extra = run.split(":", 3)
             trainer = TRAINERS[algo]
             cli = ["--env", env_name, "--total-timesteps", budget, "--runs-dir", runs_dir]

@@ -1,4 +1,5 @@
-"""Episode animations: one greedy episode rolled out inside jit, drawn by gymnax's renderer.
+"""Episode animations: one greedy episode rolled out inside jit, drawn by gymnax's renderer or
+by the env family's own (Craftax's and xminigrid's pixel renderers; Brax has none offline).
 
 Rendering is host work (matplotlib, and pygame for the classic-control envs), so it runs once
 after training and never inside the compiled loop.
@@ -34,10 +35,15 @@ RENDERABLE_ENVS = frozenset(
 )
 
 
-def rollout_states(env, env_params, policy: Policy, key):
-    """One episode of `policy` in a plain gymnax env: the env states it passed through (a list,
-    first state first) and its return."""
-    max_steps = int(env_params.max_steps_in_episode)
+# Frames of a family's renderer at most: a Craftax episode can last 10,000 steps.
+MAX_FRAMES = 1000
+
+
+def rollout_states(env, env_params, policy: Policy, key, max_steps: int | None = None):
+    """One episode of `policy` in a plain gymnax env (or any env of its interface, given
+    `max_steps`): the env states it passed through (a list, first state first) and its
+    return."""
+    max_steps = max_steps or int(env_params.max_steps_in_episode)
 
     def _step(carry, step_key):
         obs, state, memory, done, total = carry
@@ -66,7 +72,12 @@ def rollout_states(env, env_params, policy: Policy, key):
 
 def write_episode_gif(env_id: str, policy: Policy, key, path: str) -> str | None:
     """Write one greedy episode as a GIF at `path`; returns the path, or None (and prints one
-    line) when gymnax has no renderer for the env."""
+    line) when there is no renderer for the env."""
+    from utils.envs import env_family, family_of, resolve_env_id
+
+    env_id = resolve_env_id(env_id)
+    if family_of(env_id) is not None:
+        return _write_family_gif(env_id, env_family(env_id), policy, key, path)
     if env_id not in RENDERABLE_ENVS:
         print(f"--capture-video: gymnax has no renderer for {env_id}; no video written")
         return None
@@ -81,5 +92,28 @@ def write_episode_gif(env_id: str, policy: Policy, key, path: str) -> str | None
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp.gif"
     Visualizer(env, env_params, states).animate(tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def _write_family_gif(env_id: str, family: str, policy: Policy, key, path: str) -> str | None:
+    """write_episode_gif for the non-gymnax families: the first MAX_FRAMES states of one
+    episode, drawn by the family's `frame_renderer`."""
+    from PIL import Image
+
+    from utils.envs import family_module, make_env
+
+    draw = family_module(family).frame_renderer(env_id)
+    if draw is None:
+        print(f"--capture-video: {family} has no offline renderer for {env_id}; no video written")
+        return None
+    env, env_params, spec = make_env(env_id)
+    states, _ = rollout_states(
+        env, env_params, policy, key, min(spec.max_episode_steps, MAX_FRAMES)
+    )
+    frames = [Image.fromarray(draw(env._env, env_params, s.env_state)) for s in states]
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + ".tmp.gif"
+    frames[0].save(tmp, save_all=True, append_images=frames[1:], duration=50, loop=0)
     os.replace(tmp, path)
     return path
