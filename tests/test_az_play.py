@@ -1,0 +1,156 @@
+"""A trained AlphaZero run outside training (utils/board_play.py): --play against a scripted
+human through piped input, --arena between runs, and the checkpoints --keep-checkpoints keeps
+for `RUN_DIR@update=N`. One tiny tic_tac_toe run serves the whole module."""
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import purejaxrl_az
+from tests.helpers import REPO, TINY_AZ, _script_env, run_script
+from utils import board_play, checkpoint
+from utils.errors import ConfigError
+
+VERDICTS = ("You win.", "The agent wins.", "Draw.")
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """TINY_AZ with a checkpoint after every iteration, all of them kept."""
+    runs = tmp_path_factory.mktemp("runs")
+    result = run_script(
+        "purejaxrl_az.py",
+        *TINY_AZ,
+        "--eval-every", "1",
+        "--keep-checkpoints", "0",
+        "--no-progress",
+        "--runs-dir", str(runs),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    (run_dir,) = runs.iterdir()
+    return run_dir
+
+
+def play(run_dir, moves: str, *flags) -> str:
+    """One --play game in this process, the human's lines piped in; its transcript."""
+    out = io.StringIO()
+    board_play.main(purejaxrl_az, ["--play", str(run_dir), *flags], io.StringIO(moves), out)
+    return out.getvalue()
+
+
+def test_keep_checkpoints_keeps_the_newest_n(tiny_run, tmp_path):
+    assert checkpoint.updates(str(tiny_run / "checkpoints")) == [1, 2, 3, 4]  # 0: all
+    for update in range(1, 5):
+        checkpoint.save(str(tmp_path), update, {"w": np.full(2, update)}, {"u": update}, keep=2)
+    assert checkpoint.updates(str(tmp_path)) == [3, 4]
+    leaves, meta = checkpoint.read(str(tmp_path), 3)
+    np.testing.assert_array_equal(leaves[0], [3, 3])
+    assert meta == {"u": 3}
+
+
+def test_a_whole_game_through_the_command_line_with_piped_moves(tiny_run):
+    """The scripted human tries cells 1 to 9 in order: a taken cell is refused with a sentence
+    and the next line is read, so the game always reaches its end."""
+    result = subprocess.run(
+        [sys.executable, "purejaxrl_az.py", "--play", str(tiny_run)],
+        input="".join(f"{cell}\n" for cell in range(1, 10)),
+        cwd=REPO,
+        env=_script_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert out.startswith("tic_tac_toe: you are X and move first")
+    assert " 1 | 2 | 3\n---+---+---\n 4 | 5 | 6\n---+---+---\n 7 | 8 | 9" in out
+    assert out.count("agent plays ") >= 2 and "search visits: " in out and "value for the" in out
+    assert out.rstrip().splitlines()[-1] in VERDICTS
+    assert "Traceback" not in result.stderr
+
+
+def test_bad_moves_get_a_sentence_and_another_try(tiny_run):
+    out = play(tiny_run, "5\n5\n0\nx\n10\nq\n", "--human-second", "--num-simulations", "2")
+    assert "move second" in out and "2 simulations per move" in out
+    assert out.index("agent plays") < out.index("your move: 5")  # the agent opened
+    # the agent's opening cell, or the human's 5 once played, is taken
+    assert "is taken: try another move." in out
+    assert "'0' is not a move: type a cell 1-9, or q." in out
+    assert "'x' is not a move" in out and "'10' is not a move" in out
+    assert out.rstrip().endswith("You quit; no result.")
+
+
+def test_input_that_ends_mid_game_is_a_clean_quit(tiny_run):
+    out = play(tiny_run, "1\n")
+    assert "your move: 1" in out
+    assert out.rstrip().endswith("Input ended before the game did; no result.")
+
+
+def test_bad_runs_are_one_sentence_and_exit_code_2(tiny_run, tmp_path):
+    ppo = tmp_path / "ppo_run"
+    ppo.mkdir()
+    (ppo / "config.json").write_text(json.dumps({"env": "CartPole"}))
+    (ppo / "run.json").write_text(json.dumps({"algo": "ppo", "env_id": "CartPole-v1"}))
+    result = run_script("purejaxrl_az.py", "--play", str(ppo))
+    assert result.returncode == 2
+    assert result.stderr == (
+        f"error: --play: {str(ppo)!r} is a ppo run; only AlphaZero runs play board games\n"
+    )
+    cases = {
+        str(tmp_path / "missing"): "is not a directory",
+        str(tmp_path): "has no config.json, so it is not a run directory",
+        f"{tiny_run}@update=7": "has no checkpoint after update 7; it keeps 1, 2, 3, 4",
+        f"{tiny_run}@run=1": r"holds 1 run\(s\)",
+        f"{tiny_run}@update=x": "@update= takes a number",
+    }
+    for spec, message in cases.items():
+        with pytest.raises(ConfigError, match=message):
+            play(spec, "")
+    empty = tmp_path / "empty"
+    shutil.copytree(tiny_run, empty, ignore=shutil.ignore_patterns("checkpoints"))
+    with pytest.raises(ConfigError, match="has no checkpoint yet"):
+        play(empty, "")
+
+
+def arena(*args) -> dict:
+    out = io.StringIO()
+    board_play.main(purejaxrl_az, ["--arena", *map(str, args)], stdout=out)
+    (line,) = out.getvalue().splitlines()
+    return line
+
+
+def test_a_run_against_itself_scores_exactly_one_half(tiny_run, tmp_path):
+    """Greedy search is deterministic and every pair of games opens alike, one game from each
+    seat, so each pair ends in a win and a loss or in two draws."""
+    line = arena(tiny_run, tiny_run, "--eval-games", "8", "--arena-dir", tmp_path / "self")
+    report = json.loads((tmp_path / "self" / "arena.json").read_text())
+    assert report["a_wins"] == report["b_wins"] and report["a_score"] == 0.5
+    assert report["a_elo"] == 0.0 and report["a_elo_low"] < 0 < report["a_elo_high"]
+    by_pair = {}
+    for game in report["per_game"]:
+        by_pair.setdefault(game["pair"], []).append(game["a_result"])
+    assert all(sorted(results) in ([-1, 1], [0, 0]) for results in by_pair.values())
+    assert len(report["per_game"]) == 8
+    assert sorted(os.listdir(tmp_path / "self" / "games")) == ["a_first.svg", "b_first.svg"]
+    assert line.startswith("tic_tac_toe: ") and ", 8 games: " in line and "score 0.500" in line
+
+
+def test_arena_between_updates_of_one_run_and_its_refusals(tiny_run, tmp_path):
+    arena(f"{tiny_run}@update=1", tiny_run, "--eval-games", "4", "--arena-dir", tmp_path / "a")
+    report = json.loads((tmp_path / "a" / "arena.json").read_text())
+    assert (report["a"]["update"], report["b"]["update"]) == (1, 4)
+    assert report["a_wins"] + report["a_draws"] + report["b_wins"] == 4
+    other = tmp_path / "connect_four_run"
+    shutil.copytree(tiny_run, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "env": "connect_four"}))
+    with pytest.raises(ConfigError, match=r"plays tic_tac_toe and .* connect_four; an arena"):
+        arena(tiny_run, other)
+    with pytest.raises(ConfigError, match="--eval-games must be a positive even number"):
+        arena(tiny_run, tiny_run, "--eval-games", "3")
