@@ -13,25 +13,40 @@ import numpy as np
 import pytest
 
 import purejaxrl_az
-from tests.helpers import REPO, TINY_AZ, _script_env, run_script
+from tests.helpers import REPO, _script_env, run_script
 from utils import board_play, checkpoint
 from utils.errors import ConfigError
 
 VERDICTS = ("You win.", "The agent wins.", "Draw.")
 
 
+# TINY_AZ grown just enough to learn something in 12 iterations (about 8 s of training after a
+# 40 s compile), with a checkpoint after every iteration, all of them kept: its update 12 beats
+# its update 1 in the arena.
+SMALL_AZ = [
+    "--env", "tic_tac_toe",
+    "--num-iterations", "12",
+    "--eval-every", "1",
+    "--num-games", "64",
+    "--rollout-steps", "16",
+    "--buffer-size", "4096",
+    "--minibatch-size", "128",
+    "--updates-per-iteration", "8",
+    "--num-blocks", "1",
+    "--num-channels", "16",
+    "--num-simulations", "8",
+    "--max-num-considered-actions", "9",
+    "--eval-games", "8",
+    "--baseline-sims", "4",
+    "--cpu-devices", "0",
+    "--keep-checkpoints", "0",
+]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-    """TINY_AZ with a checkpoint after every iteration, all of them kept."""
+def small_run(tmp_path_factory):
     runs = tmp_path_factory.mktemp("runs")
-    result = run_script(
-        "purejaxrl_az.py",
-        *TINY_AZ,
-        "--eval-every", "1",
-        "--keep-checkpoints", "0",
-        "--no-progress",
-        "--runs-dir", str(runs),
-    )  # fmt: skip
+    result = run_script("purejaxrl_az.py", *SMALL_AZ, "--no-progress", "--runs-dir", str(runs))
     assert result.returncode == 0, result.stderr
     (run_dir,) = runs.iterdir()
     return run_dir
@@ -44,8 +59,8 @@ def play(run_dir, moves: str, *flags) -> str:
     return out.getvalue()
 
 
-def test_keep_checkpoints_keeps_the_newest_n(tiny_run, tmp_path):
-    assert checkpoint.updates(str(tiny_run / "checkpoints")) == [1, 2, 3, 4]  # 0: all
+def test_keep_checkpoints_keeps_the_newest_n(small_run, tmp_path):
+    assert checkpoint.updates(str(small_run / "checkpoints")) == list(range(1, 13))  # 0: all
     for update in range(1, 5):
         checkpoint.save(str(tmp_path), update, {"w": np.full(2, update)}, {"u": update}, keep=2)
     assert checkpoint.updates(str(tmp_path)) == [3, 4]
@@ -54,11 +69,11 @@ def test_keep_checkpoints_keeps_the_newest_n(tiny_run, tmp_path):
     assert meta == {"u": 3}
 
 
-def test_a_whole_game_through_the_command_line_with_piped_moves(tiny_run):
+def test_a_whole_game_through_the_command_line_with_piped_moves(small_run):
     """The scripted human tries cells 1 to 9 in order: a taken cell is refused with a sentence
     and the next line is read, so the game always reaches its end."""
     result = subprocess.run(
-        [sys.executable, "purejaxrl_az.py", "--play", str(tiny_run)],
+        [sys.executable, "purejaxrl_az.py", "--play", str(small_run)],
         input="".join(f"{cell}\n" for cell in range(1, 10)),
         cwd=REPO,
         env=_script_env(),
@@ -75,8 +90,8 @@ def test_a_whole_game_through_the_command_line_with_piped_moves(tiny_run):
     assert "Traceback" not in result.stderr
 
 
-def test_bad_moves_get_a_sentence_and_another_try(tiny_run):
-    out = play(tiny_run, "5\n5\n0\nx\n10\nq\n", "--human-second", "--num-simulations", "2")
+def test_bad_moves_get_a_sentence_and_another_try(small_run):
+    out = play(small_run, "5\n5\n0\nx\n10\nq\n", "--human-second", "--num-simulations", "2")
     assert "move second" in out and "2 simulations per move" in out
     assert out.index("agent plays") < out.index("your move: 5")  # the agent opened
     # the agent's opening cell, or the human's 5 once played, is taken
@@ -86,13 +101,13 @@ def test_bad_moves_get_a_sentence_and_another_try(tiny_run):
     assert out.rstrip().endswith("You quit; no result.")
 
 
-def test_input_that_ends_mid_game_is_a_clean_quit(tiny_run):
-    out = play(tiny_run, "1\n")
+def test_input_that_ends_mid_game_is_a_clean_quit(small_run):
+    out = play(small_run, "1\n")
     assert "your move: 1" in out
     assert out.rstrip().endswith("Input ended before the game did; no result.")
 
 
-def test_bad_runs_are_one_sentence_and_exit_code_2(tiny_run, tmp_path):
+def test_bad_runs_are_one_sentence_and_exit_code_2(small_run, tmp_path):
     ppo = tmp_path / "ppo_run"
     ppo.mkdir()
     (ppo / "config.json").write_text(json.dumps({"env": "CartPole"}))
@@ -105,15 +120,15 @@ def test_bad_runs_are_one_sentence_and_exit_code_2(tiny_run, tmp_path):
     cases = {
         str(tmp_path / "missing"): "is not a directory",
         str(tmp_path): "has no config.json, so it is not a run directory",
-        f"{tiny_run}@update=7": "has no checkpoint after update 7; it keeps 1, 2, 3, 4",
-        f"{tiny_run}@run=1": r"holds 1 run\(s\)",
-        f"{tiny_run}@update=x": "@update= takes a number",
+        f"{small_run}@update=13": "has no checkpoint after update 13; it keeps 1, 2, 3, 4, ",
+        f"{small_run}@run=1": r"holds 1 run\(s\)",
+        f"{small_run}@update=x": "@update= takes a number",
     }
     for spec, message in cases.items():
         with pytest.raises(ConfigError, match=message):
             play(spec, "")
     empty = tmp_path / "empty"
-    shutil.copytree(tiny_run, empty, ignore=shutil.ignore_patterns("checkpoints"))
+    shutil.copytree(small_run, empty, ignore=shutil.ignore_patterns("checkpoints"))
     with pytest.raises(ConfigError, match="has no checkpoint yet"):
         play(empty, "")
 
@@ -125,10 +140,10 @@ def arena(*args) -> dict:
     return line
 
 
-def test_a_run_against_itself_scores_exactly_one_half(tiny_run, tmp_path):
+def test_a_run_against_itself_scores_exactly_one_half(small_run, tmp_path):
     """Greedy search is deterministic and every pair of games opens alike, one game from each
     seat, so each pair ends in a win and a loss or in two draws."""
-    line = arena(tiny_run, tiny_run, "--eval-games", "8", "--arena-dir", tmp_path / "self")
+    line = arena(small_run, small_run, "--eval-games", "8", "--arena-dir", tmp_path / "self")
     report = json.loads((tmp_path / "self" / "arena.json").read_text())
     assert report["a_wins"] == report["b_wins"] and report["a_score"] == 0.5
     assert report["a_elo"] == 0.0 and report["a_elo_low"] < 0 < report["a_elo_high"]
@@ -141,16 +156,21 @@ def test_a_run_against_itself_scores_exactly_one_half(tiny_run, tmp_path):
     assert line.startswith("tic_tac_toe: ") and ", 8 games: " in line and "score 0.500" in line
 
 
-def test_arena_between_updates_of_one_run_and_its_refusals(tiny_run, tmp_path):
-    arena(f"{tiny_run}@update=1", tiny_run, "--eval-games", "4", "--arena-dir", tmp_path / "a")
+def test_a_run_beats_its_first_iteration_and_arena_refusals(small_run, tmp_path):
+    """Update 12 against update 1 of the same run, 32 games from 16 openings."""
+    arena(
+        f"{small_run}@update=12", f"{small_run}@update=1", "--eval-games", "32",
+        "--arena-dir", tmp_path / "a",
+    )  # fmt: skip
     report = json.loads((tmp_path / "a" / "arena.json").read_text())
-    assert (report["a"]["update"], report["b"]["update"]) == (1, 4)
-    assert report["a_wins"] + report["a_draws"] + report["b_wins"] == 4
+    assert (report["a"]["update"], report["b"]["update"]) == (12, 1)
+    assert report["a_wins"] + report["a_draws"] + report["b_wins"] == 32
+    assert report["a_score"] > 0.6 and report["a_elo_low"] > 0, report
     other = tmp_path / "connect_four_run"
-    shutil.copytree(tiny_run, other)
+    shutil.copytree(small_run, other)
     config = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**config, "env": "connect_four"}))
     with pytest.raises(ConfigError, match=r"plays tic_tac_toe and .* connect_four; an arena"):
-        arena(tiny_run, other)
+        arena(small_run, other)
     with pytest.raises(ConfigError, match="--eval-games must be a positive even number"):
-        arena(tiny_run, tiny_run, "--eval-games", "3")
+        arena(small_run, small_run, "--eval-games", "3")
