@@ -2,9 +2,12 @@
 human through piped input, --arena between runs, and the checkpoints --keep-checkpoints keeps
 for `RUN_DIR@update=N`. One tiny tic_tac_toe run serves the whole module."""
 
+import contextlib
 import io
 import json
 import os
+import pty
+import select
 import shutil
 import subprocess
 import sys
@@ -174,3 +177,38 @@ def test_a_run_beats_its_first_iteration_and_arena_refusals(small_run, tmp_path)
         arena(small_run, other)
     with pytest.raises(ConfigError, match="--eval-games must be a positive even number"):
         arena(small_run, small_run, "--eval-games", "3")
+
+
+def test_a_terminal_gets_a_prompt_and_q_quits(small_run):
+    """The same command on a pseudo-terminal: a prompt, the typed move, then q."""
+    controller, terminal = pty.openpty()
+    process = subprocess.Popen(
+        [sys.executable, "purejaxrl_az.py", "--play", str(small_run)],
+        stdin=terminal,
+        stdout=terminal,
+        stderr=subprocess.PIPE,
+        cwd=REPO,
+        env=_script_env(),
+    )
+    os.close(terminal)
+    output = b""
+
+    def read_until(text: bytes):
+        nonlocal output
+        while text not in output:
+            ready, _, _ = select.select([controller], [], [], 120)
+            assert ready, output
+            output += os.read(controller, 4096)
+
+    read_until(b"your move: ")
+    os.write(controller, b"1\n")
+    read_until(b"agent plays")
+    read_until(b"your move: ")
+    os.write(controller, b"q\n")
+    assert process.wait(timeout=120) == 0, process.stderr.read()
+    with contextlib.suppress(OSError):  # the terminal closes with the process
+        while chunk := os.read(controller, 4096):
+            output += chunk
+    os.close(controller)
+    text = output.decode().replace("\r\n", "\n")
+    assert "your move: 1\n" in text and text.rstrip().endswith("You quit; no result.")

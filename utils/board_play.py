@@ -336,17 +336,13 @@ class _Input:
 
     def line(self, prompt: str) -> str | None:
         """The next line, or None at the end of the input."""
-        if self.interactive and self.stream is sys.stdin:
-            try:
-                return input(prompt)
-            except EOFError:
-                self.out.write("\n")
-                return None
         if self.interactive:
             self.out.write(prompt)
             self.out.flush()
         text = self.stream.readline()
         if not text:
+            if self.interactive:  # Ctrl-D: the cursor is still after the prompt
+                self.out.write("\n")
             return None
         if not self.interactive:
             self.out.write(f"{prompt}{text.rstrip()}\n")
