@@ -12,7 +12,9 @@ import shutil
 import subprocess
 import sys
 
+import jax
 import numpy as np
+import pgx
 import pytest
 
 import purejaxrl_az
@@ -212,3 +214,33 @@ def test_a_terminal_gets_a_prompt_and_q_quits(small_run):
     os.close(controller)
     text = output.decode().replace("\r\n", "\n")
     assert "your move: 1\n" in text and text.rstrip().endswith("You quit; no result.")
+
+
+# shogi and animal_shogi (each cell's first observation plane, action numbers) are left out:
+# their first positions alone take 10-20 s to build here
+@pytest.mark.parametrize(
+    "game", [g for g in purejaxrl_az.SUPPORTED_GAMES if not g.endswith("shogi")]
+)
+def test_the_games_draw_their_boards_and_read_back_the_moves_they_name(game):
+    env = pgx.make(game)
+    state = env.init(jax.random.PRNGKey(0))
+    board = board_play.render(game, state)
+    assert board.strip() and "\n" in board
+    for action in np.flatnonzero(np.asarray(state.legal_action_mask)):
+        name = board_play.move_name(game, int(action))
+        assert board_play.parse_move(game, name, env.num_actions) == action, name
+    assert board_play.parse_move(game, "nonsense", env.num_actions) is None
+
+
+def test_the_small_boards_look_like_their_games():
+    env = pgx.make("connect_four")
+    state = env.init(jax.random.PRNGKey(0))
+    for column in (3, 3, 4):  # columns 4, 4, 5 as typed
+        state = env.step(state, column)
+    assert board_play.render("connect_four", state).splitlines()[-3:] == [
+        ". . . . . . .",
+        ". . . O . . .",
+        ". . . X X . .",
+    ]
+    assert board_play.parse_move("connect_four", "8", 7) is None
+    assert board_play.illegal_reason("connect_four", 3) == "column 4 is full"

@@ -32,6 +32,7 @@ import re
 import string
 import sys
 import time
+import warnings
 from typing import Any, NamedTuple, TextIO
 
 import jax
@@ -307,14 +308,17 @@ def _render_generic(state) -> str:
     legal = np.flatnonzero(np.asarray(state.legal_action_mask))
     shown = " ".join(map(str, legal[:60])) + (" ..." if len(legal) > 60 else "")
     if hasattr(state, "_to_fen"):
-        board = state._to_fen()
+        with warnings.catch_warnings():  # deprecated for pgx.experimental, which lacks gardner
+            warnings.simplefilter("ignore", DeprecationWarning)
+            board = state._to_fen()
     else:
-        obs = np.asarray(state.observation)[..., :26]
+        obs = np.asarray(state.observation)
+        obs = obs[..., ~obs.all((0, 1))][..., :26]  # a plane set everywhere is not a piece
         first = np.where(obs.any(-1), obs.argmax(-1), -1)
         board = "\n".join(
             " ".join(string.ascii_lowercase[p] if p >= 0 else "." for p in row) for row in first
         )
-        board += "\n(a cell shows its first set observation plane, a = plane 0)"
+        board += "\n(a cell shows its first set observation plane, a = the first one not set on every cell)"
     return f"{board}\nlegal moves: {shown}"
 
 
@@ -371,7 +375,7 @@ def play(trainer, args, stdin: TextIO, stdout: TextIO) -> None:
     step = jax.jit(env.step)
     key = jax.random.PRNGKey(args.seed)
     key, init_key = jax.random.split(key)
-    state = env.init(init_key)
+    state = jax.jit(env.init)(init_key)  # compiled: op by op, shogi's takes many seconds
     human = int(state.current_player) if not args.human_second else 1 - int(state.current_player)
     human_mark = MARKS[0 if not args.human_second else 1]
     sims = args.num_simulations or agent.config.num_simulations
