@@ -244,3 +244,29 @@ def test_the_small_boards_look_like_their_games():
     ]
     assert board_play.parse_move("connect_four", "8", 7) is None
     assert board_play.illegal_reason("connect_four", 3) == "column 4 is full"
+
+
+def test_run_k_of_a_directory_that_trained_several(small_run, tmp_path):
+    """A directory of two runs made from the small run's checkpoint: run 1's floats are run
+    0's plus one."""
+    leaves, meta = checkpoint.read(str(small_run / "checkpoints"))
+    two_runs = [
+        np.concatenate([x, x + 1 if np.issubdtype(x.dtype, np.floating) else x], axis=1)
+        for x in leaves
+    ]
+    two = tmp_path / "two_seeds"
+    two.mkdir()
+    for name in ("config.json", "run.json"):
+        shutil.copy(small_run / name, two / name)
+    checkpoint.save(str(two / "checkpoints"), 12, two_runs, meta)
+    first, second = (
+        board_play.load_agent(board_play.parse_run_spec(spec, "--play"), purejaxrl_az, "--play")
+        for spec in (str(two), f"{two}@run=1")
+    )
+    assert (first.run, second.run, first.num_runs) == (0, 1, 2)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(b, a + 1), first.variables, second.variables
+    )
+    with pytest.raises(ConfigError, match=r"holds 2 run\(s\).*no @run=2"):
+        play(f"{two}@run=2", "")
+    assert "holds 2 runs; this is run 0 (pick another with RUN_DIR@run=K)" in play(two, "q\n")
