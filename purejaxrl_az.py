@@ -36,6 +36,7 @@ import utils.interrupts  # noqa: F401  # isort: skip
 
 import dataclasses
 import functools
+import sys
 from typing import Literal, NamedTuple
 
 import flax.linen as nn
@@ -46,6 +47,7 @@ import numpy as np
 import optax
 import pgx
 
+from utils import board_play
 from utils.board_eval import evaluate_agent, opponents, solve_tic_tac_toe, write_game_records
 from utils.cli import RunConfig, exit_on_config_error, parse_config, require_in, require_positive
 from utils.devices import DEVICE_AXIS, device_mean, device_sum
@@ -58,7 +60,8 @@ from utils.trainer import Runtime, Trainer, hyperparams_of
 @dataclasses.dataclass
 class Config(RunConfig):
     """AlphaZero (Gumbel MuZero search by default) on pgx two-player board games, compiled end to
-    end with JAX."""
+    end with JAX. A trained run plays you with --play RUN_DIR, another run with --arena RUN_A
+    RUN_B (their flags: --play X --help)."""
 
     env: str = "tic_tac_toe"
     """pgx game id: tic_tac_toe, connect_four, othello, hex, go_9x9, go_19x19, animal_shogi,
@@ -1014,8 +1017,12 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
 
 
 def main() -> None:
-    """The command line: parse the flags, then train."""
+    """The command line: parse the flags, then train; or, with --play or --arena, play a
+    trained run against you or against another run (utils/board_play.py)."""
     with exit_on_config_error():
+        if board_play.requested(sys.argv[1:]):
+            board_play.main(sys.modules[__name__])
+            return
         config = parse_config(
             Config, PRESETS, preset_key=resolve_game, shell_defaults={"cpu_devices": -1}
         )

@@ -317,20 +317,33 @@ def write_game_records(
     replayed from the game's initial key and its moves with pgx's own renderer, into
     RUN_DIR/games/. `records` holds one seed's record_keys and record_moves."""
     os.makedirs(os.path.join(run_dir, "games"), exist_ok=True)
-    step = jax.jit(env.step)
     paths = []
     for i, opponent in enumerate(opponent_names):
         for seat, seat_name in enumerate(("first", "second")):
-            state = env.init(records["record_keys"][i, seat])
-            states = [state]
-            for move in records["record_moves"][i, seat]:
-                if move < 0:
-                    break
-                state = step(state, jnp.int32(move))
-                states.append(state)
             name = f"iteration{update:06d}_{opponent}_agent_{seat_name}.svg"
             path = os.path.join(run_dir, "games", name)
-            pgx.save_svg_animation(states, path + ".tmp", frame_duration_seconds=0.5)
-            os.replace(path + ".tmp", path)
+            save_game_svg(
+                env, records["record_keys"][i, seat], records["record_moves"][i, seat], path
+            )
             paths.append(path)
     return paths
+
+
+def save_game_svg(env, key, moves, path: str) -> None:
+    """The game that starts from `env.init(key)` and plays `moves` (-1 once it ended) as an
+    SVG animation at `path` (pgx's renderer), written whole or not at all."""
+    step = _jitted_step(env)
+    state = env.init(key)
+    states = [state]
+    for move in moves:
+        if move < 0:
+            break
+        state = step(state, jnp.int32(move))
+        states.append(state)
+    pgx.save_svg_animation(states, path + ".tmp", frame_duration_seconds=0.5)
+    os.replace(path + ".tmp", path)
+
+
+@functools.cache
+def _jitted_step(env):
+    return jax.jit(env.step)

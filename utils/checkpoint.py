@@ -2,7 +2,8 @@
 
 Each checkpoint is a directory `checkpoints/update_XXXXXXXX`. Orbax writes it under a
 temporary name and renames it when complete, so a crash mid-write leaves the previous
-checkpoint intact; older checkpoints are deleted only after the new one is in place.
+checkpoint intact; older checkpoints are deleted only after the new one is in place (all but
+the newest `keep`: the driver's --keep-checkpoints, by default the newest alone).
 Ctrl-C or SIGTERM during a write lets the write finish (utils/interrupts.py).
 """
 
@@ -32,8 +33,9 @@ def _checkpoints(directory: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def save(directory: str, update: int, state, meta: dict) -> str:
-    """Write `state` (any pytree) and `meta` (numbers) as the checkpoint after `update`."""
+def save(directory: str, update: int, state, meta: dict, keep: int = 1) -> str:
+    """Write `state` (any pytree) and `meta` (numbers) as the checkpoint after `update`, then
+    delete all but the newest `keep` checkpoints (0: delete none)."""
     leaves = jax.device_get(jax.tree.leaves(state))
     tree = {
         "leaves": {f"{i:05d}": np.asarray(leaf) for i, leaf in enumerate(leaves)},
@@ -44,7 +46,8 @@ def save(directory: str, update: int, state, meta: dict) -> str:
         if not os.path.exists(path):
             with _failure_as_one_os_error(path):
                 _checkpointer().save(path, tree)
-        for _, name in _checkpoints(directory):
+        found = _checkpoints(directory)
+        for _, name in found[: -keep if keep else 0]:
             if name != os.path.basename(path):
                 shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
     return path
@@ -111,14 +114,26 @@ def latest_update(directory: str) -> int | None:
     return found[-1][0] if found else None
 
 
+def updates(directory: str) -> list[int]:
+    """The updates of the checkpoints in `directory`, oldest first."""
+    return [update for update, _ in _checkpoints(directory)]
+
+
+def read(directory: str, update: int | None = None) -> tuple[list[np.ndarray], dict]:
+    """The checkpoint after `update` (None: the latest) as it is on disk: (its leaves in the
+    state's flattening order, meta). The caller checks that it exists (`updates`)."""
+    name = dict(_checkpoints(directory))[update if update is not None else updates(directory)[-1]]
+    tree = _checkpointer().restore(os.path.join(os.path.abspath(directory), name))
+    leaves = [tree["leaves"][f"{i:05d}"] for i in range(len(tree["leaves"]))]
+    return leaves, {k: v.item() for k, v in tree["meta"].items()}
+
+
 def restore(directory: str, template):
     """Load the latest checkpoint into the structure of `template`: returns (state, meta)."""
-    found = _checkpoints(directory)
-    if not found:
+    if not _checkpoints(directory):
         raise ConfigError(f"--resume: no checkpoint found in {directory!r}")
-    tree = _checkpointer().restore(os.path.join(os.path.abspath(directory), found[-1][1]))
+    leaves, meta = read(directory)
     template_leaves, treedef = jax.tree.flatten(template)
-    leaves = [tree["leaves"][f"{i:05d}"] for i in range(len(tree["leaves"]))]
     shapes_match = len(leaves) == len(template_leaves) and all(
         np.shape(a) == np.shape(b) for a, b in zip(leaves, template_leaves, strict=False)
     )
@@ -127,5 +142,4 @@ def restore(directory: str, template):
             f"--resume: the checkpoint in {directory!r} does not match this config's state "
             "(different devices, seeds or network?)"
         )
-    meta = {k: v.item() for k, v in tree["meta"].items()}
     return jax.tree.unflatten(treedef, leaves), meta

@@ -68,6 +68,9 @@ class RunConfig:
     """folder that holds one directory per run"""
     resume: str | None = None
     """continue the run in this run directory from its latest checkpoint"""
+    keep_checkpoints: int = 1
+    """checkpoints kept in RUN_DIR/checkpoints, the newest ones (0: all): older ones let
+    AlphaZero's --arena RUN_DIR@update=N compare a run with its own past"""
     allow_nonfinite: bool = False
     """train on when a loss or a parameter turns NaN or inf (to study divergence). By default
     such a run stops after that chunk, keeps its last finite checkpoint, marks summary.json
@@ -100,6 +103,7 @@ RESUMABLE_OVERRIDES = frozenset(
         "track",
         "wandb_project_name",
         "wandb_entity",
+        "keep_checkpoints",
     }
     | {"eval_episodes", "runs_dir", "capture_video", "eval_games", "record_games"}
     | {"allow_nonfinite", "reevaluate"}

@@ -138,6 +138,8 @@ def check_run_config(config) -> None:
         )
     if config.updates_per_chunk < 0:
         raise ConfigError(f"--updates-per-chunk must be >= 0, got {config.updates_per_chunk}")
+    if config.keep_checkpoints < 0:
+        raise ConfigError(f"--keep-checkpoints must be >= 0, got {config.keep_checkpoints}")
 
 
 def _new_run_dir(config, trainer: Trainer) -> str:
@@ -624,7 +626,13 @@ def train_in_chunks(plan: RunPlan, state, start_update: int, clock: _Clock, wand
                 state = new_state
                 update += num_updates
                 if is_main:
-                    checkpoint.save(plan.checkpoint_dir, update, state, clock.totals(update))
+                    checkpoint.save(
+                        plan.checkpoint_dir,
+                        update,
+                        state,
+                        clock.totals(update),
+                        keep=plan.config.keep_checkpoints,
+                    )
             if is_main and records and trainer.write_records is not None:
                 with naming_the_file(os.path.join(plan.run_dir, "games")):
                     written = trainer.write_records(plan.run_dir, update, records)
