@@ -90,7 +90,10 @@ def test_tiny_ppo_run_on_craftax_through_the_script(tmp_path):
     """The script trains on Craftax and logs its achievement rate and score. (Its resume is
     the other families' below: tracing Craftax's world generation three times over would
     take minutes.)"""
-    args = ["--env", "Craftax-Classic", *TINY_PPO, "--no-progress", "--runs-dir", str(tmp_path)]
+    # No evaluation: its episodes, which a random policy keeps alive for thousands of steps,
+    # would double the test's time; the gridworld run below evaluates.
+    args = ["--env", "Craftax-Classic", *TINY_PPO, "--eval-episodes", "0", "--no-progress"]
+    args += ["--runs-dir", str(tmp_path)]
     result = run_script("purejaxrl_ppo.py", *args)
     assert result.returncode == 0, result.stderr
     (run_dir,) = tmp_path.iterdir()
@@ -107,6 +110,8 @@ def test_tiny_ppo_run_and_its_resume(family, tmp_path, monkeypatch):
     this process, so that the runs after the first reuse its compiled programs."""
     whole, runs = tmp_path / "whole", tmp_path / "runs"
     args = ["--env", FAMILY_ENVS[family], *TINY_PPO, "--no-progress"]
+    if family == "brax":  # the evaluation's own compile of Brax's step: the gridworld's is cheap
+        args += ["--eval-episodes", "0"]
 
     def interrupt_after_update_4(self, done, *_):
         if done == 4:
