@@ -14,7 +14,7 @@ import pytest
 
 import purejaxrl_dqn
 import purejaxrl_ppo
-from tests.helpers import REPO, TINY_DQN, TINY_PPO, assert_identical_runs, run_script
+from tests.helpers import REPO, TINY_DQN, TINY_PPO, assert_identical_runs
 from utils import driver
 from utils.cli import parse_config
 from utils.driver import run_training
@@ -86,31 +86,18 @@ def _rows(done, array):
     return done.reshape(-1, *[1] * (array.ndim - 1))
 
 
-def test_tiny_ppo_run_on_craftax_through_the_script(tmp_path):
-    """The script trains on Craftax and logs its achievement rate and score. (Its resume is
-    the other families' below: tracing Craftax's world generation three times over would
-    take minutes.)"""
-    # No evaluation: its episodes, which a random policy keeps alive for thousands of steps,
-    # would double the test's time; the gridworld run below evaluates.
-    args = ["--env", "Craftax-Classic", *TINY_PPO, "--eval-episodes", "0", "--no-progress"]
-    args += ["--runs-dir", str(tmp_path)]
-    result = run_script("purejaxrl_ppo.py", *args)
-    assert result.returncode == 0, result.stderr
-    (run_dir,) = tmp_path.iterdir()
-    header = (run_dir / "metrics.csv").read_text().splitlines()[0].split(",")
-    assert {"episode_return", "episode_length", "achievement_rate", "score"} <= set(header)
-    assert "ppo Craftax-Classic-Symbolic-v1: final return" in result.stdout
-
-
-@pytest.mark.parametrize("family", ["gridworld", "brax"])
+@pytest.mark.parametrize("family", FAMILY_ENVS)
 def test_tiny_ppo_run_and_its_resume(family, tmp_path, monkeypatch):
-    """The script's parse-and-train trains and logs the family's episode statistics; the same
-    run stopped by Ctrl-C after update 4 and resumed ends in the same final state and metrics
-    (the env state, an xminigrid TimeStep or a Brax State, goes through the checkpoint). In
-    this process, so that the runs after the first reuse its compiled programs."""
+    """The script's parse-and-train trains and logs the family's episode statistics (Craftax's
+    achievement rate and score); the same run stopped by Ctrl-C after update 4 and resumed ends
+    in the same final state and metrics (the env state, a Craftax world, an xminigrid TimeStep
+    or a Brax State, goes through the checkpoint). In this process, so that the runs after the
+    first reuse its compiled programs."""
     whole, runs = tmp_path / "whole", tmp_path / "runs"
     args = ["--env", FAMILY_ENVS[family], *TINY_PPO, "--no-progress"]
-    if family == "brax":  # the evaluation's own compile of Brax's step: the gridworld's is cheap
+    if family != "gridworld":
+        # No evaluation: its own compile of the env's step, and for Craftax episodes that a
+        # random policy keeps alive for thousands of steps; the gridworld run evaluates.
         args += ["--eval-episodes", "0"]
 
     def interrupt_after_update_4(self, done, *_):
