@@ -1,9 +1,11 @@
-"""AlphaZero for two-player board games from pgx: self-play with MCTS (mctx), value and policy
-targets, an on-device replay buffer, SGD and evaluation, all in one compiled JAX program.
+"""AlphaZero for pgx's two-player board games and for 2048: self-play with MCTS (mctx), value
+and policy targets, an on-device replay buffer, SGD and evaluation, all in one compiled JAX
+program.
 
     python purejaxrl_az.py --env tic_tac_toe          # near-perfect play by iteration 30 of 100
     python purejaxrl_az.py --env connect_four --cpu-devices 2
     python purejaxrl_az.py --env othello --search puct --temperature 1.0
+    python purejaxrl_az.py --env 2048                 # single player, search through tile spawns
 
 The pgx environment is the search's perfect model: `recurrent_fn` steps the real game. Gumbel
 MuZero's policy improvement (Danihelka et al., 2022) is the default search, since it improves the
@@ -27,6 +29,13 @@ Conventions for two-player zero-sum games, as pgx defines them: players alternat
 move), `state.rewards[p]` is player p's reward, observations are from the mover's side. The
 search therefore uses discount -1 between plies, rewards from the mover's perspective, and
 value 0 with discount 0 at and past the end of a game.
+
+2048 is single-player and stochastic: a move slides the tiles (the merge reward), then a tile
+spawns at random. Its search is Stochastic MuZero's (mctx's `stochastic_muzero_policy`) with
+the true rules as the model, split where the chance happens (utils/game2048.py): decision nodes
+choose a move, chance nodes weigh the 32 spawns by their real probabilities. Discount --gamma
+between moves, no sign flip; its network (`MLPNet`) values states and afterstates on MuZero's
+h(x) scale with categorical heads, since scores grow into the thousands.
 """
 
 from __future__ import annotations
@@ -47,7 +56,7 @@ import numpy as np
 import optax
 import pgx
 
-from utils import board_play
+from utils import board_play, game2048
 from utils.board_eval import evaluate_agent, opponents, solve_tic_tac_toe, write_game_records
 from utils.cli import RunConfig, exit_on_config_error, parse_config, require_in, require_positive
 from utils.devices import DEVICE_AXIS, device_mean, device_sum
@@ -59,13 +68,14 @@ from utils.trainer import Runtime, Trainer, hyperparams_of
 
 @dataclasses.dataclass
 class Config(RunConfig):
-    """AlphaZero (Gumbel MuZero search by default) on pgx two-player board games, compiled end to
-    end with JAX. A trained run plays you with --play RUN_DIR, another run with --arena RUN_A
-    RUN_B (their flags: --play X --help)."""
+    """AlphaZero (Gumbel MuZero search by default) on pgx two-player board games, and with
+    Stochastic MuZero's search on 2048, compiled end to end with JAX. A trained run plays you
+    with --play RUN_DIR (2048: replays its game), another run with --arena RUN_A RUN_B (their
+    flags: --play X --help)."""
 
     env: str = "tic_tac_toe"
     """pgx game id: tic_tac_toe, connect_four, othello, hex, go_9x9, go_19x19, animal_shogi,
-    gardner_chess, chess, shogi. Each game has its own preset defaults"""
+    gardner_chess, chess, shogi, 2048. Each game has its own preset defaults"""
     num_iterations: int = 100
     """AlphaZero iterations (self-play window + SGD steps) per seed"""
     num_games: int = 256
@@ -85,14 +95,16 @@ class Config(RunConfig):
     weight_decay: float = 1e-4
     """L2 penalty on all parameters, added to the loss (AlphaZero's c)"""
     num_blocks: int = 2
-    """residual blocks of the ResNet"""
+    """residual blocks of the ResNet (2048: of the MLP)"""
     num_channels: int = 32
-    """channels of every convolution"""
+    """channels of every convolution (2048: width of the MLP)"""
     batch_norm: bool = True
-    """BatchNorm in the ResNet (running statistics are used for search, batch ones in SGD)"""
+    """BatchNorm in the ResNet (running statistics are used for search, batch ones in SGD);
+    2048's MLP uses LayerNorm instead"""
     search: Literal["gumbel", "puct"] = "gumbel"
     """gumbel: Gumbel MuZero policy (sequential halving, improved-policy targets); puct:
-    AlphaZero's PUCT (Dirichlet noise at the root, visit-count targets)"""
+    AlphaZero's PUCT (Dirichlet noise at the root, visit-count targets), the only one with
+    chance nodes (2048)"""
     num_simulations: int = 32
     """MCTS simulations per move in self-play and for the agent in evaluation"""
     max_num_considered_actions: int = 16
@@ -111,6 +123,9 @@ class Config(RunConfig):
     td_lambda: float = 0.9
     """td-lambda: weight of longer returns (1: the outcome, bootstrapping only at the buffer's
     newest position; 0: one ply and the next position's search value)"""
+    gamma: float = 1.0
+    """single-player games (2048): discount of later merge rewards, in search and value targets
+    (two-player games alternate sides instead: 1 there)"""
     augment: bool = True
     """train on a random board symmetry of each position (connect_four: mirror; tic_tac_toe,
     othello, go: the 8 rotations and reflections; hex: 180-degree rotation; none for chess-like
@@ -122,6 +137,8 @@ class Config(RunConfig):
     """evaluation games per opponent, half with the agent moving first (0: no evaluation)"""
     baseline_sims: int = 64
     """simulations of the plain MCTS opponent (uniform priors, random-rollout values)"""
+    expectimax_depth: int = 2
+    """2048: moves the plain expectimax player looks ahead (its evaluation baseline)"""
     cpu_devices: int = 0
     """on a CPU-only host, split the CPU into this many XLA devices, games split over them
     (-1: one per core, the fastest for self-play, and the command line's default; 0: JAX's
@@ -158,6 +175,26 @@ PRESETS = {
         )
         for game in ("othello", "hex", "go_9x9", "animal_shogi", "gardner_chess")
     },
+    # Single player: PUCT over chance nodes, lambda-returns of the merge rewards (a game's
+    # outcome is thousands of points of noise), an MLP, and few simulations, since every one
+    # evaluates the network twice (afterstate and state). docs/alphazero.md, "2048".
+    "2048": dict(
+        search="puct",
+        num_simulations=16,
+        value_target="td-lambda",
+        td_lambda=0.9,
+        gamma=0.999,
+        batch_norm=False,
+        num_blocks=2,
+        num_channels=128,
+        num_games=64,
+        rollout_steps=32,
+        buffer_size=16_384,
+        minibatch_size=256,
+        num_iterations=200,
+        eval_every=20,
+        eval_games=32,
+    ),
 }
 
 
@@ -172,6 +209,7 @@ class HyperParams(NamedTuple):
     dirichlet_alpha: jax.Array
     dirichlet_fraction: jax.Array
     td_lambda: jax.Array
+    gamma: jax.Array
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,7 +217,8 @@ class HyperParams(NamedTuple):
 # ---------------------------------------------------------------------------------------------
 
 # Two-player, zero-sum, perfect-information, deterministic: the games where the pgx simulator
-# can be the search's model and players alternate.
+# can be the search's model and players alternate; and 2048, single player, whose model is its
+# rules split at the tile spawn (utils/game2048.py).
 SUPPORTED_GAMES = (
     "tic_tac_toe",
     "connect_four",
@@ -191,7 +230,19 @@ SUPPORTED_GAMES = (
     "gardner_chess",
     "chess",
     "shogi",
+    "2048",
 )
+
+# The other pgx games, and why this AlphaZero does not play them.
+REFUSED_GAMES = {
+    "backgammon": "its dice come before each move, and the search's chance nodes only follow "
+    "a single player's moves here",
+    **dict.fromkeys(
+        ("kuhn_poker", "leduc_holdem", "sparrow_mahjong"),
+        "a hidden-information game, where a search over the true state would see the "
+        "opponent's cards",
+    ),
+}
 
 
 def resolve_game(name: str) -> str:
@@ -199,12 +250,14 @@ def resolve_game(name: str) -> str:
     game = name.lower().replace("-", "_")
     if game in SUPPORTED_GAMES:
         return game
-    reason = (
-        " (a pgx game, but not a two-player deterministic perfect-information one, which this "
-        "AlphaZero needs)"
-        if game in pgx.available_envs()
-        else ""
-    )
+    if game in REFUSED_GAMES:
+        reason = f" (a pgx game, but {REFUSED_GAMES[game]})"
+    elif game.startswith("minatar"):
+        reason = (
+            " (a pgx game, but a video game: train it with purejaxrl_ppo.py or purejaxrl_dqn.py)"
+        )
+    else:
+        reason = ""
     raise ConfigError(f"unknown game {name!r}{reason}; valid games: {', '.join(SUPPORTED_GAMES)}")
 
 
@@ -293,14 +346,94 @@ class ResNet(nn.Module):
         return logits, value
 
 
-def make_networks(config: Config, env, *, one_run: bool) -> tuple[ResNet, ResNet]:
+# 2048's values are sums of merge rewards, thousands of points: the network predicts them on
+# MuZero's scale h(x) = sign(x) (sqrt(|x| + 1) - 1) + eps x, as a distribution over the
+# integers 0..VALUE_BINS - 1 of that scale (values up to about 45,000), trained with
+# cross-entropy against the "two-hot" encoding of the target (Schrittwieser et al., 2020).
+VALUE_BINS = 256
+VALUE_EPS = 1e-3
+
+
+def value_transform(x):
+    """MuZero's h(x): a square-root squash, invertible, near-linear again past 1e6."""
+    return jnp.sign(x) * (jnp.sqrt(jnp.abs(x) + 1.0) - 1.0) + VALUE_EPS * x
+
+
+def inverse_value_transform(y):
+    """h^-1(y), in closed form."""
+    root = (jnp.sqrt(1.0 + 4.0 * VALUE_EPS * (jnp.abs(y) + 1.0 + VALUE_EPS)) - 1.0) / (
+        2.0 * VALUE_EPS
+    )
+    return jnp.sign(y) * (jnp.square(root) - 1.0)
+
+
+def two_hot(values):
+    """[...] values -> [..., VALUE_BINS] the distribution on bins of h(value) with the same mean:
+    weight split between the two neighbouring bins, clipped to the support."""
+    y = jnp.clip(value_transform(values), 0.0, VALUE_BINS - 1.0)
+    low = jnp.floor(y)
+    upper_weight = y - low
+    bins = jnp.arange(VALUE_BINS, dtype=jnp.float32)
+    return jnp.where(bins == low[..., None], 1.0 - upper_weight[..., None], 0.0) + jnp.where(
+        bins == low[..., None] + 1.0, upper_weight[..., None], 0.0
+    )
+
+
+def value_at_zero(key, shape, dtype=jnp.float32):
+    """Value logits [VALUE_BINS] whose value is about 0 (bin 0 at e^20 times any other): the
+    value heads' bias at initialisation, with zero weights. An untrained network then values
+    every position alike, and its search plans with the rules and the merge rewards alone,
+    rather than with the noise of random value heads whose values span thousands."""
+    del key
+    return jnp.where(jnp.arange(shape[-1]) == 0, 0.0, -20.0).astype(dtype)
+
+
+def value_of(value_logits):
+    """[..., VALUE_BINS] logits -> [...] the value: h^-1 of the distribution's mean bin."""
+    bins = jnp.arange(VALUE_BINS, dtype=jnp.float32)
+    return inverse_value_transform(jnp.sum(jax.nn.softmax(value_logits) * bins, axis=-1))
+
+
+class MLPNet(nn.Module):
+    """2048's network: the one-hot board (4, 4, 31) flattened, a Dense stem, pre-activation
+    residual blocks of (LayerNorm, relu, Dense) x 2, then three heads: policy logits [A], and
+    value logits [VALUE_BINS] of the board as a state and as an afterstate (the board a move
+    leaves before its tile spawns). A 4x4 board is too small for convolutions to pay."""
+
+    num_actions: int
+    num_blocks: int
+    num_channels: int
+    batch_norm: bool = False  # LayerNorm: no running statistics to carry
+
+    @nn.compact
+    def __call__(self, obs, train: bool = False):
+        x = obs.reshape(*obs.shape[:-3], -1).astype(jnp.float32)
+        x = nn.Dense(self.num_channels)(x)
+        for _ in range(self.num_blocks):
+            y = nn.Dense(self.num_channels)(nn.relu(nn.LayerNorm()(x)))
+            x = x + nn.Dense(self.num_channels)(nn.relu(nn.LayerNorm()(y)))
+        x = nn.relu(nn.LayerNorm()(x))
+
+        def value_head(x):
+            return nn.Dense(VALUE_BINS, kernel_init=nn.initializers.zeros, bias_init=value_at_zero)(
+                x
+            )
+
+        return nn.Dense(self.num_actions)(x), value_head(x), value_head(x)
+
+
+def make_networks(config: Config, env, *, one_run: bool) -> tuple[nn.Module, nn.Module]:
     """The ResNet for search and the same one for SGD (`learner`): one set of parameters,
     several ways to compute its convolutions (utils/layers.py). On boards of at most 3x3
     (tic_tac_toe) one dense matmul over the whole board does the convolution's own arithmetic,
     fastest for search and SGD alike. On larger boards, with one run, search runs XLA's
     convolution, faster for a forward pass; SGD, and all of it with vmapped seeds or sweep
     configurations (`one_run` False), the matmul form, since XLA's convolution gradient in a
-    loop and its convolution with batched parameters are slow on CPU (docs/benchmarks.md)."""
+    loop and its convolution with batched parameters are slow on CPU (docs/benchmarks.md).
+    2048 gets its MLP."""
+    if env.id == "2048":
+        network = MLPNet(env.num_actions, config.num_blocks, config.num_channels)
+        return network, network
     small_board = max(env.observation_shape[:2]) <= 3
     network = ResNet(
         env.num_actions,
@@ -315,6 +448,8 @@ def make_networks(config: Config, env, *, one_run: bool) -> tuple[ResNet, ResNet
 # ---------------------------------------------------------------------------------------------
 # Pure pieces: priors, search, value targets, replay buffer, loss
 # ---------------------------------------------------------------------------------------------
+
+EVAL_MAX_MOVES = 20_000  # 2048: evaluation games end here if the game has not (about a 16k tile)
 
 ILLEGAL_LOGIT = (
     -1e9
@@ -421,19 +556,112 @@ def plain_search(key, state, root_logits, root_value, evaluate_position, *, env,
     return output.action
 
 
-def value_targets(reward, terminated, truncated, search_value, written, td_lambda, outcome: bool):
+class Board(NamedTuple):
+    """Decision nodes of 2048's search: positions where the player chooses a move."""
+
+    board: jax.Array  # [B, 16] int32 tile exponents (utils/game2048.py)
+    done: jax.Array  # [B] bool: no legal move is left, or a dead move led here
+
+
+class Afterstate(NamedTuple):
+    """Chance nodes of 2048's search: a move made, its tile not spawned yet."""
+
+    board: jax.Array  # [B, 16] int32
+    reward: jax.Array  # [B] float32 the move's merge reward
+    dead: jax.Array  # [B] bool: the move moved nothing (illegal), or the game was already over
+
+
+def make_chance_model(evaluate_board, gamma):
+    """mctx's decision and chance functions for 2048 with its true rules: a move slides the
+    tiles (`game2048.slide`), a chance outcome spawns a tile (`game2048.spawn`) with its real
+    probability. `evaluate_board(params, boards [B, 16]) -> (logits [B, 4], state value [B],
+    afterstate value [B])`. mctx gives a move no reward, so the merge reward comes with the
+    spawn that follows, and an afterstate's value is reward + gamma * the network's afterstate
+    value. A dead move is worth 0 and ends the line (discount 0), as does a board without a
+    legal move."""
+
+    def decision_recurrent_fn(params, key, action, node: Board):
+        after, reward, moved = jax.vmap(game2048.slide)(node.board, action)
+        dead = node.done | ~moved
+        _, _, after_value = evaluate_board(params, after)
+        probabilities = jax.vmap(game2048.spawn_probabilities)(after)
+        output = mctx.DecisionRecurrentFnOutput(
+            chance_logits=jnp.where(probabilities > 0, jnp.log(probabilities), ILLEGAL_LOGIT),
+            afterstate_value=jnp.where(dead, 0.0, reward + gamma * after_value),
+        )
+        return output, Afterstate(after, reward, dead)
+
+    def chance_recurrent_fn(params, key, outcome, node: Afterstate):
+        board = jax.vmap(game2048.spawn)(node.board, outcome)
+        legal = jax.vmap(game2048.legal_moves)(board)
+        done = node.dead | ~jnp.any(legal, axis=-1)
+        logits, value, _ = evaluate_board(params, board)
+        output = mctx.ChanceRecurrentFnOutput(
+            action_logits=masked_logits(logits, legal),
+            value=jnp.where(done, 0.0, value),
+            reward=jnp.where(node.dead, 0.0, node.reward),
+            discount=jnp.where(done, 0.0, gamma),
+        )
+        return output, Board(board, done)
+
+    return decision_recurrent_fn, chance_recurrent_fn
+
+
+def chance_search(
+    params,
+    key,
+    games,
+    root_logits,
+    root_value,
+    evaluate_board,
+    *,
+    gamma,
+    num_simulations: int,
+    temperature,
+    dirichlet_alpha,
+    dirichlet_fraction,
+) -> mctx.PolicyOutput:
+    """One batched Stochastic MuZero search (PUCT at decision nodes, chance outcomes visited in
+    proportion to their probability) from the 2048 positions `games` [B], `root_logits` [B, 4]
+    and `root_value` [B]; illegal moves are masked at the root as in `run_search`."""
+    decision_fn, chance_fn = make_chance_model(evaluate_board, gamma)
+    root = mctx.RootFnOutput(
+        prior_logits=masked_logits(root_logits, games.legal_action_mask),
+        value=root_value,
+        embedding=Board(jax.vmap(game2048.board_of)(games.observation), games.terminated),
+    )
+    return mctx.stochastic_muzero_policy(
+        params,
+        key,
+        root,
+        decision_fn,
+        chance_fn,
+        num_simulations,
+        invalid_actions=~games.legal_action_mask,
+        temperature=temperature,
+        dirichlet_alpha=dirichlet_alpha,
+        dirichlet_fraction=dirichlet_fraction,
+    )
+
+
+def value_targets(
+    reward, terminated, truncated, search_value, written, td_lambda, discount, outcome: bool
+):
     """Value targets for positions in time order, from the side of the player to move.
 
     Inputs are [time, games], oldest first; `written` [time] marks rows that hold data (the
     newest written row is the last one). Row t is a position, the move played from it, the
     mover's reward and whether the game ended (terminated, or truncated by a move limit).
+    `discount` d links a position to the next: -1 in two-player games (the next position
+    belongs to the opponent), gamma in a single-player one.
 
-    - outcome: G_t = r_t if the game terminated after move t, else r_t - G_{t+1} (the next
-      position belongs to the opponent). A truncated game has no result, so its last position
-      bootstraps from its own search value. Positions of games still running at the newest
-      row have no target yet (known = False); the next recomputation fills them in.
-    - td-lambda: G_t = r_t - ((1 - lambda) v_{t+1} + lambda G_{t+1}) with v the search values,
-      and G_{t+1} := v_{t+1} at the newest row; only the newest row of a running game waits.
+    - outcome: G_t = r_t if the game terminated after move t, else r_t + d G_{t+1}. A
+      truncated game has no result, so its last position bootstraps from its own search
+      value. Positions of games still running at the newest row have no target yet (known =
+      False); the next recomputation fills them in.
+    - td-lambda: G_t = r_t + d ((1 - lambda) v_{t+1} + lambda G_{t+1}) with v the search
+      values, and G_{t+1} := v_{t+1} at the newest row; only the newest row of a running game
+      waits.
 
     Returns (targets, known), both [time, games].
     """
@@ -442,10 +670,10 @@ def value_targets(reward, terminated, truncated, search_value, written, td_lambd
         next_target, next_known, next_value, next_written = carry
         r, term, trunc, v, is_written = row
         if outcome:
-            continued, continued_known = r - next_target, next_known
+            continued, continued_known = r + discount * next_target, next_known
         else:
             bootstrap = jnp.where(next_known, next_target, next_value)
-            continued = r - ((1.0 - td_lambda) * next_value + td_lambda * bootstrap)
+            continued = r + discount * ((1.0 - td_lambda) * next_value + td_lambda * bootstrap)
             continued_known = jnp.broadcast_to(next_written, r.shape)
         target = jnp.where(term, r, jnp.where(trunc, v, continued))
         known = is_written & (term | trunc | continued_known)
@@ -466,6 +694,7 @@ class Position(NamedTuple):
 
     obs: jax.Array  # [..., *obs_shape] as pgx gives it (bool or float32)
     legal: jax.Array  # [..., num_actions] bool
+    action: jax.Array  # [...] int32 the move played
     policy: jax.Array  # [..., num_actions] the search's action weights: the policy target
     reward: jax.Array  # [...] the mover's reward for the move played
     terminated: jax.Array  # [...] bool: the game ended with a result after this move
@@ -511,7 +740,7 @@ def buffer_add(buffer: ReplayBuffer, moves: Position) -> ReplayBuffer:
     )
 
 
-def buffer_update_targets(buffer: ReplayBuffer, td_lambda, outcome: bool) -> ReplayBuffer:
+def buffer_update_targets(buffer: ReplayBuffer, td_lambda, discount, outcome: bool) -> ReplayBuffer:
     """Recompute every value target in time order: games that ended since the last call get
     targets for all their stored positions, including those from earlier iterations."""
     rows = buffer.known.shape[0]
@@ -519,7 +748,7 @@ def buffer_update_targets(buffer: ReplayBuffer, td_lambda, outcome: bool) -> Rep
     written = jnp.arange(rows) < buffer.size
     d = jax.tree.map(lambda x: x[order], buffer.data)
     targets, known = value_targets(
-        d.reward, d.terminated, d.truncated, d.search_value, written, td_lambda, outcome
+        d.reward, d.terminated, d.truncated, d.search_value, written, td_lambda, discount, outcome
     )
     return buffer._replace(
         targets=buffer.targets.at[order].set(targets), known=buffer.known.at[order].set(known)
@@ -546,15 +775,50 @@ def buffer_sample(buffer: ReplayBuffer, key, batch_size: int):
     )
 
 
-def az_loss(logits, value, legal, policy_target, value_target, weights):
-    """Policy cross-entropy against the search's action weights (illegal moves excluded) and
-    value mean squared error; `weights` mask samples. Returns (policy_loss, value_loss)."""
+def policy_loss_of(logits, legal, policy_target, weights):
+    """Policy cross-entropy against the search's action weights (illegal moves excluded),
+    averaged with `weights` [B]."""
     log_probs = jax.nn.log_softmax(masked_logits(logits, legal))
     cross_entropy = -jnp.sum(jnp.where(legal, policy_target * log_probs, 0.0), axis=-1)
+    return jnp.sum(weights * cross_entropy) / jnp.maximum(weights.sum(), 1.0)
+
+
+def az_loss(logits, value, legal, policy_target, value_target, weights):
+    """`policy_loss_of` and the value's mean squared error; `weights` mask samples. Returns
+    (policy_loss, value_loss)."""
     count = jnp.maximum(weights.sum(), 1.0)
-    policy_loss = jnp.sum(weights * cross_entropy) / count
     value_loss = jnp.sum(weights * jnp.square(value - value_target)) / count
-    return policy_loss, value_loss
+    return policy_loss_of(logits, legal, policy_target, weights), value_loss
+
+
+def categorical_value_loss(value_logits, value_target, weights):
+    """Cross-entropy of value logits [B, VALUE_BINS] against the two-hot encoding of the
+    targets [B], averaged with `weights` [B]."""
+    cross_entropy = -jnp.sum(two_hot(value_target) * jax.nn.log_softmax(value_logits), axis=-1)
+    return jnp.sum(weights * cross_entropy) / jnp.maximum(weights.sum(), 1.0)
+
+
+def board_loss(apply, batch: Position, obs, legal, policy, targets, weights, gamma):
+    """The board games' loss (`az_loss`) of the learner (`apply(obs) -> (outputs, BatchNorm
+    statistics)`) on the augmented positions. Returns (policy_loss, value_loss, statistics)."""
+    (logits, value), new_stats = apply(obs)
+    return (*az_loss(logits, value, legal, policy, targets, weights), new_stats)
+
+
+def chance_loss(apply, batch: Position, obs, legal, policy, targets, weights, gamma):
+    """2048's loss: the policy cross-entropy (`policy_loss_of`), plus categorical value losses of the
+    position and of its afterstate (the board after the move played, before its spawn). The
+    afterstate's target follows from the position's: G_t = r_t + gamma * (what follows the
+    afterstate), 0 once the game has ended. The reported value loss is their sum."""
+    after, _, _ = jax.vmap(game2048.slide)(jax.vmap(game2048.board_of)(batch.obs), batch.action)
+    both = jnp.concatenate([obs, jax.vmap(game2048.observation)(after).astype(obs.dtype)])
+    (logits, value_logits, after_logits), new_stats = apply(both)
+    size = obs.shape[0]
+    after_targets = jnp.where(batch.terminated, 0.0, (targets - batch.reward) / gamma)
+    policy_loss = policy_loss_of(logits[:size], legal, policy, weights)
+    value_loss = categorical_value_loss(value_logits[:size], targets, weights)
+    after_loss = categorical_value_loss(after_logits[size:], after_targets, weights)
+    return policy_loss, value_loss + after_loss, new_stats
 
 
 # ---------------------------------------------------------------------------------------------
@@ -572,6 +836,7 @@ class TrainState(NamedTuple):
     buffer: ReplayBuffer  # leaves [rows, G, ...]
     games: pgx.State  # [G] the games in progress
     game_length: jax.Array  # [G] int32 moves played in each game so far
+    game_score: jax.Array  # [G] float32 the rewards each game's movers have received so far
     key: jax.Array  # [2] uint32
     iteration: jax.Array  # [] int32
 
@@ -602,14 +867,37 @@ def agent_search(
     greedy: bool,
 ) -> mctx.PolicyOutput:
     """The agent's search from the positions `games` [B], the network valuing the root and
-    every position the search reaches; greedy turns all exploration off. Returns mctx's
-    PolicyOutput: action [B], action_weights [B, num_actions] and the search tree."""
+    every position the search reaches; greedy turns all exploration off. 2048 searches with
+    chance nodes (`chance_search`, PUCT whatever `search` says). Returns mctx's PolicyOutput:
+    action [B], action_weights [B, num_actions] and the search tree."""
+    zero = jnp.float32(0.0)
+    if env.id == "2048":
+
+        def evaluate_board(variables, boards):
+            logits, value_logits, after_logits = network.apply(
+                variables, jax.vmap(game2048.observation)(boards)
+            )
+            return logits, value_of(value_logits), value_of(after_logits)
+
+        logits, value_logits, _ = network.apply(variables, games.observation)
+        return chance_search(
+            variables,
+            key,
+            games,
+            logits,
+            value_of(value_logits),
+            evaluate_board,
+            gamma=hp.gamma,
+            num_simulations=num_simulations,
+            temperature=zero if greedy else hp.temperature,
+            dirichlet_alpha=hp.dirichlet_alpha,
+            dirichlet_fraction=zero if greedy else hp.dirichlet_fraction,
+        )
 
     def evaluate_position(variables, key, state):
         return network.apply(variables, state.observation)
 
     logits, value = network.apply(variables, games.observation)
-    zero = jnp.float32(0.0)
     return run_search(
         search,
         variables,
@@ -632,61 +920,88 @@ class SelfPlayOutput(NamedTuple):
 
     games: pgx.State  # [G] the games after the window; unfinished ones carry over
     game_length: jax.Array  # [G] int32 moves played in each of them
+    game_score: jax.Array  # [G] float32 the rewards their movers have received so far
     moves: Position  # leaves [T, G, ...] the searched positions, oldest first
     done: jax.Array  # [T, G] bool: the game ended with this move
     length: jax.Array  # [T, G] int32 moves the game had played after this move
+    score: jax.Array  # [T, G] float32 the game's summed rewards after this move (2048: score)
     draw: jax.Array  # [T, G] bool: the game ended with this move, in a draw
 
 
+def step_games(env, games, actions, key):
+    """Every game [B] one move on; `key` is None for a deterministic game, else the key of the
+    move's chance (2048's spawn)."""
+    if key is None:
+        return jax.vmap(env.step)(games, actions)
+    return jax.vmap(env.step)(games, actions, jax.random.split(key, actions.shape[0]))
+
+
 def selfplay(
-    variables, hp: HyperParams, key, games, game_length, *, env, search_fn, rollout_steps: int
+    variables,
+    hp: HyperParams,
+    key,
+    games,
+    game_length,
+    game_score,
+    *,
+    env,
+    search_fn,
+    rollout_steps: int,
+    stochastic: bool,
 ) -> SelfPlayOutput:
-    """1. Self-play: every one of the games [G] (game_length [G] moves into them) makes
-    `rollout_steps` moves chosen by `search_fn` (`agent_search` with its settings bound) with
-    the current network; finished games restart at once, unfinished ones carry over to the
-    next iteration."""
+    """1. Self-play: every one of the games [G] (game_length [G] moves into them, game_score
+    [G] rewards received) makes `rollout_steps` moves chosen by `search_fn` (`agent_search`
+    with its settings bound) with the current network; finished games restart at once,
+    unfinished ones carry over to the next iteration. A stochastic game's moves draw their
+    chance from a key of their own."""
     num_games = games.current_player.shape[0]
 
     def _selfplay_move(carry, key):
-        games, game_length = carry
-        search_key, reset_key = jax.random.split(key)
+        games, game_length, game_score = carry
+        if stochastic:
+            search_key, reset_key, chance_key = jax.random.split(key, 3)
+        else:
+            (search_key, reset_key), chance_key = jax.random.split(key), None
         output = search_fn(variables, hp, search_key, games, greedy=False)
         mover = games.current_player
-        after = jax.vmap(env.step)(games, output.action)
+        after = step_games(env, games, output.action, chance_key)
         done = after.terminated | after.truncated
+        reward = after.rewards[jnp.arange(num_games), mover]
         position = Position(
             obs=games.observation,
             legal=games.legal_action_mask,
+            action=output.action,
             policy=output.action_weights,
-            reward=after.rewards[jnp.arange(num_games), mover],
+            reward=reward,
             terminated=after.terminated,
             truncated=after.truncated & ~after.terminated,
             search_value=output.search_tree.node_values[:, mctx.Tree.ROOT_INDEX],
         )
-        length = game_length + 1
-        ended = (done, length, after.terminated & jnp.all(after.rewards == 0, axis=-1))
+        length, score = game_length + 1, game_score + reward
+        ended = (done, length, score, after.terminated & jnp.all(after.rewards == 0, axis=-1))
         fresh = new_games(env, reset_key, num_games)
         games = jax.tree.map(
             lambda new, old: jnp.where(done.reshape(-1, *[1] * (old.ndim - 1)), new, old),
             fresh,
             after,
         )
-        return (games, jnp.where(done, 0, length)), (position, ended)
+        carry = (games, jnp.where(done, 0, length), jnp.where(done, 0.0, score))
+        return carry, (position, ended)
 
-    (games, game_length), (moves, (done, length, draw)) = jax.lax.scan(
-        _selfplay_move, (games, game_length), jax.random.split(key, rollout_steps)
+    (games, game_length, game_score), (moves, (done, length, score, draw)) = jax.lax.scan(
+        _selfplay_move, (games, game_length, game_score), jax.random.split(key, rollout_steps)
     )
-    return SelfPlayOutput(games, game_length, moves, done, length, draw)
+    return SelfPlayOutput(games, game_length, game_score, moves, done, length, score, draw)
 
 
 def add_to_buffer(
-    buffer: ReplayBuffer, moves: Position, td_lambda, *, outcome: bool
+    buffer: ReplayBuffer, moves: Position, td_lambda, discount, *, outcome: bool
 ) -> ReplayBuffer:
     """2. Targets: the window's moves (leaves [T, G, ...]) go into the buffer, and value
-    targets are recomputed over all of it, so games that ended in this window complete
-    earlier positions too."""
+    targets are recomputed over all of it (`discount`: see `value_targets`), so games that
+    ended in this window complete earlier positions too."""
     buffer = buffer_add(buffer, moves)
-    return buffer_update_targets(buffer, td_lambda, outcome)
+    return buffer_update_targets(buffer, td_lambda, discount, outcome)
 
 
 class LearnOutput(NamedTuple):
@@ -700,11 +1015,22 @@ class LearnOutput(NamedTuple):
 
 
 def sgd_step(
-    params, batch_stats, opt_state, buffer, hp, key, *, learner, game, perms, batch_size: int
+    params,
+    batch_stats,
+    opt_state,
+    buffer,
+    hp,
+    key,
+    *,
+    learner,
+    loss_fn,
+    game,
+    perms,
+    batch_size: int,
 ) -> LearnOutput:
-    """One SGD step on B = batch_size positions sampled uniformly from those with a target,
-    each seen through a random board symmetry (one of perms [S, num_actions]); gradients and
-    BatchNorm statistics are averaged over devices."""
+    """One SGD step of `loss_fn` (`board_loss` or `chance_loss`) on B = batch_size positions
+    sampled uniformly from those with a target, each seen through a random board symmetry (one
+    of perms [S, num_actions]); gradients and BatchNorm statistics are averaged over devices."""
     sample_key, symmetry_key = jax.random.split(key)
     batch, targets, weights = buffer_sample(buffer, sample_key, batch_size)
     symmetry = jax.random.randint(symmetry_key, (batch_size,), 0, len(perms))
@@ -713,17 +1039,16 @@ def sgd_step(
     )
 
     def _loss(params):
-        variables = {"params": params}
-        if learner.batch_norm:
-            variables["batch_stats"] = batch_stats
-            (logits, value), updated = learner.apply(
-                variables, obs, train=True, mutable=["batch_stats"]
-            )
-            new_stats = updated["batch_stats"]
-        else:
-            logits, value = learner.apply(variables, obs, train=True)
-            new_stats = batch_stats
-        policy_loss, value_loss = az_loss(logits, value, legal, policy, targets, weights)
+        def apply(x):
+            if not learner.batch_norm:
+                return learner.apply({"params": params}, x, train=True), batch_stats
+            variables = {"params": params, "batch_stats": batch_stats}
+            outputs, updated = learner.apply(variables, x, train=True, mutable=["batch_stats"])
+            return outputs, updated["batch_stats"]
+
+        policy_loss, value_loss, new_stats = loss_fn(
+            apply, batch, obs, legal, policy, targets, weights, hp.gamma
+        )
         l2 = sum(jnp.sum(jnp.square(p)) for p in jax.tree.leaves(params))
         loss = policy_loss + value_loss + hp.weight_decay * l2
         return loss, (new_stats, policy_loss, value_loss)
@@ -746,7 +1071,8 @@ def learn(
     hp: HyperParams,
     key,
     *,
-    learner: ResNet,
+    learner: nn.Module,
+    loss_fn,
     game: str,
     perms: np.ndarray,
     batch_size: int,
@@ -757,7 +1083,15 @@ def learn(
 
     def _sgd_step(carry, key):
         output = sgd_step(
-            *carry, buffer, hp, key, learner=learner, game=game, perms=perms, batch_size=batch_size
+            *carry,
+            buffer,
+            hp,
+            key,
+            learner=learner,
+            loss_fn=loss_fn,
+            game=game,
+            perms=perms,
+            batch_size=batch_size,
         )
         return output[:3], output[3:]
 
@@ -767,30 +1101,37 @@ def learn(
     return LearnOutput(params, batch_stats, opt_state, policy_loss, value_loss)
 
 
-def iteration_metrics(played: SelfPlayOutput, learned: LearnOutput, buffer) -> dict:
+def iteration_metrics(played: SelfPlayOutput, learned: LearnOutput, buffer, *, solo: bool) -> dict:
     """Scalar metrics of one iteration, reduced over devices; the self-play ones count the
-    games that ended in this window (NaN where none did)."""
+    games that ended in this window (NaN where none did): their draw rate in two-player games,
+    their score in a single-player one."""
     finished = device_sum(played.done.sum())
+    per_game = jnp.where(finished > 0, finished, jnp.nan)
+    ended = ("selfplay_score", played.score) if solo else ("selfplay_draw_rate", played.draw)
     return {
         "policy_loss": device_mean(learned.policy_loss.mean()),
         "value_loss": device_mean(learned.value_loss.mean()),
         "selfplay_games": finished.astype(jnp.float32),
-        "selfplay_game_length": device_sum(jnp.sum(played.done * played.length))
-        / jnp.where(finished > 0, finished, jnp.nan),
-        "selfplay_draw_rate": device_sum(jnp.sum(played.draw))
-        / jnp.where(finished > 0, finished, jnp.nan),
+        "selfplay_game_length": device_sum(jnp.sum(played.done * played.length)) / per_game,
+        ended[0]: device_sum(jnp.sum(played.done * ended[1])) / per_game,
         "positions_with_target": device_sum(buffer.known.sum()).astype(jnp.float32),
     }
 
 
-def iterate(state: TrainState, _, *, selfplay_fn, learn_fn, outcome: bool, batch_norm: bool):
+def iterate(
+    state: TrainState, _, *, selfplay_fn, learn_fn, outcome: bool, batch_norm: bool, solo: bool
+):
     """One AlphaZero iteration, a `lax.scan` body: self-play (`selfplay_fn`, `selfplay` bound)
-    -> targets -> SGD (`learn_fn`, `learn` bound). Returns (state, scalar metrics)."""
+    -> targets -> SGD (`learn_fn`, `learn` bound). A single-player game (`solo`) discounts by
+    gamma between moves, a two-player one flips sides (-1). Returns (state, scalar metrics)."""
     hp = state.hparams
     variables = variables_of(state, batch_norm)
     key, selfplay_key, sgd_key = jax.random.split(state.key, 3)
-    played = selfplay_fn(variables, hp, selfplay_key, state.games, state.game_length)
-    buffer = add_to_buffer(state.buffer, played.moves, hp.td_lambda, outcome=outcome)
+    played = selfplay_fn(
+        variables, hp, selfplay_key, state.games, state.game_length, state.game_score
+    )
+    discount = hp.gamma if solo else -1.0
+    buffer = add_to_buffer(state.buffer, played.moves, hp.td_lambda, discount, outcome=outcome)
     learned = learn_fn(state.params, state.batch_stats, state.opt_state, buffer, hp, sgd_key)
     state = state._replace(
         params=learned.params,
@@ -799,16 +1140,18 @@ def iterate(state: TrainState, _, *, selfplay_fn, learn_fn, outcome: bool, batch
         buffer=buffer,
         games=played.games,
         game_length=played.game_length,
+        game_score=played.game_score,
         key=key,
         iteration=state.iteration + 1,
     )
-    return state, iteration_metrics(played, learned, buffer)
+    return state, iteration_metrics(played, learned, buffer, solo=solo)
 
 
 def evaluate(state: TrainState, key, *, search_fn, evaluate_agent_fn, batch_norm: bool) -> dict:
     """4. Evaluation: the agent's greedy search (`search_fn`, `agent_search` bound) plays
     `evaluate_agent_fn` (utils/board_eval.py's `evaluate_agent` bound): matches from both
-    seats against each opponent. Returns its scalar metrics (and game records)."""
+    seats against each opponent; for 2048 `game2048.evaluate_player`, whole games beside a
+    random and an expectimax player's. Returns its scalar metrics (and game records)."""
     variables = variables_of(state, batch_norm)
 
     def agent(games, key):
@@ -847,6 +1190,7 @@ def init(key, hp: HyperParams, *, env, network, num_games: int, buffer_rows: int
     example = Position(
         obs=games.observation,
         legal=games.legal_action_mask,
+        action=jnp.zeros(num_games, jnp.int32),
         policy=jnp.zeros((num_games, env.num_actions), jnp.float32),
         reward=zeros,
         terminated=never,
@@ -861,6 +1205,7 @@ def init(key, hp: HyperParams, *, env, network, num_games: int, buffer_rows: int
         buffer=buffer_init(example, buffer_rows),
         games=games,
         game_length=jnp.zeros(num_games, jnp.int32),
+        game_score=zeros,
         key=run_key,
         iteration=jnp.int32(0),
     )
@@ -875,7 +1220,7 @@ def validate(config: Config, runtime: Runtime) -> None:
     """ConfigError for a game this AlphaZero cannot play or settings it cannot run with on
     the runtime's devices; every check happens here, before anything is built."""
     num_devices = runtime.num_devices
-    resolve_game(config.env)
+    game = resolve_game(config.env)
     require_positive(
         config,
         "num_iterations",
@@ -892,6 +1237,15 @@ def validate(config: Config, runtime: Runtime) -> None:
         "baseline_sims",
     )
     require_positive(config, "eval_games", minimum=0)
+    require_in(config, "gamma", 0.0, 1.0, above_low=True)
+    require_in(config, "expectimax_depth", 1, 3)
+    if game == "2048":
+        validate_single_player(config)
+    elif config.gamma != 1.0:
+        raise ConfigError(
+            f"--gamma {config.gamma}: two-player games alternate sides between moves rather "
+            "than discount; --gamma is for 2048"
+        )
     require_in(config, "learning_rate", 0.0, 1.0, above_low=True)
     require_in(config, "dirichlet_alpha", 0.0, above_low=True)
     for name in ("td_lambda", "dirichlet_fraction"):
@@ -910,7 +1264,7 @@ def validate(config: Config, runtime: Runtime) -> None:
                 f"--{name.replace('_', '-')} {getattr(config, name)} is not divisible by the "
                 f"{num_devices} devices"
             )
-    if config.eval_games % (2 * num_devices):
+    if config.eval_games % (2 * num_devices) and game != "2048":
         raise ConfigError(
             f"--eval-games {config.eval_games} must split evenly into both seats on "
             f"{num_devices} device(s): use a multiple of {2 * num_devices}"
@@ -921,6 +1275,22 @@ def validate(config: Config, runtime: Runtime) -> None:
             f"--buffer-size {config.buffer_size} keeps only {buffer_rows} moves of each of the "
             f"{config.num_games} games, fewer than one iteration's --rollout-steps "
             f"{config.rollout_steps}"
+        )
+
+
+def validate_single_player(config: Config) -> None:
+    """The settings 2048 refuses: those of the two-player machinery it does not use."""
+    if config.search != "puct":
+        raise ConfigError(
+            f"--search {config.search}: mctx has no Gumbel search with chance nodes, so 2048 "
+            "searches with --search puct (its preset)"
+        )
+    if config.batch_norm:
+        raise ConfigError("--batch-norm: 2048's MLP normalises with LayerNorm; use --no-batch-norm")
+    if config.record_games:
+        raise ConfigError(
+            "--record-games draws board games against opponents; replay a 2048 run's game "
+            "with --play RUN_DIR instead"
         )
 
 
@@ -946,14 +1316,20 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
         num_simulations=config.num_simulations,
         max_num_considered_actions=config.max_num_considered_actions,
     )
+    solo = env.num_players == 1  # 2048: single player, a tile spawn after every move
     iterate_fn = functools.partial(
         iterate,
         selfplay_fn=functools.partial(
-            selfplay, env=env, search_fn=search_fn, rollout_steps=config.rollout_steps
+            selfplay,
+            env=env,
+            search_fn=search_fn,
+            rollout_steps=config.rollout_steps,
+            stochastic=solo,
         ),
         learn_fn=functools.partial(
             learn,
             learner=learner,
+            loss_fn=chance_loss if solo else board_loss,
             game=game,
             perms=perms,
             batch_size=config.minibatch_size // num_devices,
@@ -961,20 +1337,32 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
         ),
         outcome=config.value_target == "outcome",
         batch_norm=config.batch_norm,
+        solo=solo,
     )
-    mcts_search = functools.partial(plain_search, env=env, num_simulations=config.baseline_sims)
-    players = opponents(env, mcts_search, oracle_table)
-    evaluate_fn = functools.partial(
-        evaluate,
-        search_fn=search_fn,
-        evaluate_agent_fn=functools.partial(
+    if solo:
+        players = {}
+        evaluate_agent_fn = functools.partial(
+            game2048.evaluate_player,
+            env=env,
+            num_games=config.eval_games // num_devices,
+            max_moves=EVAL_MAX_MOVES,
+            expectimax_depth=config.expectimax_depth,
+        )
+    else:
+        mcts_search = functools.partial(plain_search, env=env, num_simulations=config.baseline_sims)
+        players = opponents(env, mcts_search, oracle_table)
+        evaluate_agent_fn = functools.partial(
             evaluate_agent,
             env=env,
             players=players,
             num_games=config.eval_games // num_devices,
             oracle_table=oracle_table,
             capture_video=config.record_games,
-        ),
+        )
+    evaluate_fn = functools.partial(
+        evaluate,
+        search_fn=search_fn,
+        evaluate_agent_fn=evaluate_agent_fn,
         batch_norm=config.batch_norm,
     )
     if not config.eval_games:  # --eval-games 0: chunks end without an evaluation
@@ -1003,8 +1391,11 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
         train_chunk=functools.partial(train_chunk, iterate_fn=iterate_fn, evaluate_fn=evaluate_fn),
         evaluate=None,
         runtime=runtime,
-        # the score against plain MCTS; without an evaluation, self-play's value loss
-        headline_metric="eval_mcts_score" if config.eval_games else "value_loss",
+        # the score against plain MCTS (2048: the game score); without an evaluation,
+        # self-play's value loss
+        headline_metric=(
+            ("eval_score" if solo else "eval_mcts_score") if config.eval_games else "value_loss"
+        ),
         step_unit="moves",
         updates_per_chunk=config.eval_every,
         write_records=functools.partial(write_game_records, env=env, opponent_names=tuple(players)),

@@ -25,6 +25,7 @@ from purejaxrl_az import (
     action_permutations,
     augment_position,
     az_loss,
+    board_loss,
     buffer_add,
     buffer_init,
     buffer_sample,
@@ -54,8 +55,9 @@ from utils.errors import ConfigError
 from utils.trainer import Runtime, hyperparams_of
 
 
-def reference_value_targets(reward, terminated, truncated, value, written, lam, outcome):
-    """The targets written as the definition reads, one game and one position at a time."""
+def reference_value_targets(reward, terminated, truncated, value, written, lam, outcome, discount):
+    """The targets written as the definition reads, one game and one position at a time;
+    `discount` is -1 between two players' plies, gamma between one player's moves."""
     steps, games = reward.shape
     targets = np.zeros((steps, games))
     known = np.zeros((steps, games), bool)
@@ -64,28 +66,35 @@ def reference_value_targets(reward, terminated, truncated, value, written, lam, 
             if not written[t]:
                 continue
             # Walk forward to the end of this game or of the data.
-            sign, total, s = 1.0, 0.0, t
+            factor, total, s = 1.0, 0.0, t
             if outcome:
                 while True:
-                    total += sign * reward[s, g]
+                    total += factor * reward[s, g]
                     if terminated[s, g]:
                         targets[t, g], known[t, g] = total, True
                         break
                     if truncated[s, g]:
-                        total += sign * (value[s, g] - reward[s, g])
+                        total += factor * (value[s, g] - reward[s, g])
                         targets[t, g], known[t, g] = total, True
                         break
                     if s + 1 >= steps or not written[s + 1]:
                         break  # the game is still running: no target yet
-                    sign, s = -sign, s + 1
+                    factor, s = factor * discount, s + 1
             else:
                 targets[t, g], known[t, g] = lambda_return(
-                    reward[:, g], terminated[:, g], truncated[:, g], value[:, g], written, lam, t
+                    reward[:, g],
+                    terminated[:, g],
+                    truncated[:, g],
+                    value[:, g],
+                    written,
+                    lam,
+                    t,
+                    discount,
                 )
     return targets, known
 
 
-def lambda_return(reward, terminated, truncated, value, written, lam, t):
+def lambda_return(reward, terminated, truncated, value, written, lam, t, discount):
     """G_t by its recursive definition (a truncated game's last position is worth its value)."""
     if terminated[t]:
         return reward[t], True
@@ -94,27 +103,34 @@ def lambda_return(reward, terminated, truncated, value, written, lam, t):
     if t + 1 >= len(reward) or not written[t + 1]:
         return 0.0, False
     following, following_known = lambda_return(
-        reward, terminated, truncated, value, written, lam, t + 1
+        reward, terminated, truncated, value, written, lam, t + 1, discount
     )
     bootstrap = following if following_known else value[t + 1]
-    return reward[t] - ((1 - lam) * value[t + 1] + lam * bootstrap), True
+    return reward[t] + discount * ((1 - lam) * value[t + 1] + lam * bootstrap), True
 
 
-def random_trajectories(rng, steps=12, games=5, filled=10):
+def random_trajectories(rng, steps=12, games=5, filled=10, every_move_rewarded=False):
+    """Two-player games rewarded at their end; with `every_move_rewarded`, 2048-like games
+    whose every move scores."""
     end = rng.random((steps, games)) < 0.25
     truncated = end & (rng.random((steps, games)) < 0.3)
     terminated = end & ~truncated
     reward = np.where(terminated, rng.choice([-1.0, 0.0, 1.0], (steps, games)), 0.0)
+    if every_move_rewarded:
+        reward = rng.choice([0.0, 4.0, 8.0, 16.0], (steps, games))
     value = rng.uniform(-1, 1, (steps, games))
     written = np.arange(steps) < filled
     return reward, terminated, truncated, value, written
 
 
+@pytest.mark.parametrize("discount", [-1.0, 0.9])
 @pytest.mark.parametrize("outcome,lam", [(True, 1.0), (False, 0.0), (False, 0.7), (False, 1.0)])
-def test_value_targets_match_reference_loop(outcome, lam):
+def test_value_targets_match_reference_loop(outcome, lam, discount):
     rng = np.random.default_rng(0)
     for _ in range(5):
-        reward, terminated, truncated, value, written = random_trajectories(rng)
+        reward, terminated, truncated, value, written = random_trajectories(
+            rng, every_move_rewarded=discount > 0
+        )
         got, got_known = value_targets(
             jnp.asarray(reward, jnp.float32),
             jnp.asarray(terminated),
@@ -122,13 +138,14 @@ def test_value_targets_match_reference_loop(outcome, lam):
             jnp.asarray(value, jnp.float32),
             jnp.asarray(written),
             jnp.float32(lam),
+            jnp.float32(discount),
             outcome,
         )
         want, want_known = reference_value_targets(
-            reward, terminated, truncated, value, written, lam, outcome
+            reward, terminated, truncated, value, written, lam, outcome, discount
         )
         np.testing.assert_array_equal(np.asarray(got_known), want_known)
-        np.testing.assert_allclose(np.asarray(got)[want_known], want[want_known], atol=1e-6)
+        np.testing.assert_allclose(np.asarray(got)[want_known], want[want_known], atol=1e-5)
 
 
 def test_outcome_targets_flip_sign_every_ply_and_stop_at_the_game_end():
@@ -142,6 +159,7 @@ def test_outcome_targets_flip_sign_every_ply_and_stop_at_the_game_end():
         jnp.zeros((5, 1)),
         jnp.ones(5, bool),
         jnp.float32(1.0),
+        jnp.float32(-1.0),
         True,
     )
     np.testing.assert_array_equal(np.asarray(targets[:3, 0]), [1.0, -1.0, 1.0])
@@ -155,6 +173,7 @@ def moves(rewards, terminated):
     return Position(
         obs=jnp.zeros((steps, 1, 1, 1, 1)),
         legal=jnp.ones((steps, 1, 2), bool),
+        action=jnp.zeros((steps, 1), jnp.int32),
         policy=jnp.full((steps, 1, 2), 0.5),
         reward=jnp.asarray(rewards, jnp.float32)[:, None],
         terminated=jnp.asarray(terminated)[:, None],
@@ -167,15 +186,15 @@ def test_games_carried_over_get_targets_when_they_end_in_a_later_window():
     example = jax.tree.map(lambda x: x[0], moves([0.0], [False]))
     buffer = buffer_init(example, rows=6)
     buffer = buffer_add(buffer, moves([0.0, 0.0], [False, False]))
-    buffer = buffer_update_targets(buffer, jnp.float32(1.0), True)
+    buffer = buffer_update_targets(buffer, jnp.float32(1.0), -1.0, True)
     assert not bool(buffer.known.any())  # the game is still running
     buffer = buffer_add(buffer, moves([0.0, -1.0], [False, True]))  # the 4th move loses
-    buffer = buffer_update_targets(buffer, jnp.float32(1.0), True)
+    buffer = buffer_update_targets(buffer, jnp.float32(1.0), -1.0, True)
     np.testing.assert_array_equal(np.asarray(buffer.known[:4, 0]), [True] * 4)
     np.testing.assert_array_equal(np.asarray(buffer.targets[:4, 0]), [1.0, -1.0, 1.0, -1.0])
     # Wrap around: 4 more moves overwrite the 2 oldest rows, and time order still holds.
     buffer = buffer_add(buffer, moves([0.0, 0.0, 0.0, 1.0], [False, False, False, True]))
-    buffer = buffer_update_targets(buffer, jnp.float32(1.0), True)
+    buffer = buffer_update_targets(buffer, jnp.float32(1.0), -1.0, True)
     assert int(buffer.size) == 6 and int(buffer.next_row) == 2
     np.testing.assert_array_equal(
         np.asarray(buffer.targets[:, 0]), [-1.0, 1.0, 1.0, -1.0, -1.0, 1.0]
@@ -187,7 +206,7 @@ def test_buffer_samples_only_positions_with_a_target():
     example = jax.tree.map(lambda x: x[0], moves([0.0], [False]))
     buffer = buffer_init(example, rows=4)
     buffer = buffer_add(buffer, moves([1.0, 0.0, 0.0], [True, False, False]))
-    buffer = buffer_update_targets(buffer, jnp.float32(1.0), True)
+    buffer = buffer_update_targets(buffer, jnp.float32(1.0), -1.0, True)
     batch, targets, weights = buffer_sample(buffer, jax.random.PRNGKey(0), 64)
     np.testing.assert_array_equal(np.asarray(batch.reward), 1.0)  # only row 0 is known
     np.testing.assert_array_equal(np.asarray(targets), 1.0)
@@ -347,6 +366,7 @@ def random_buffer(seed, rows=8, games=4):
     data = Position(
         obs=rng.random((rows, games, 3, 3, 2)) < 0.3,
         legal=legal,
+        action=np.zeros((rows, games), np.int32),
         policy=(policy / policy.sum(-1, keepdims=True)).astype(np.float32),
         reward=(ended * rng.choice([-1.0, 1.0], games)).astype(np.float32),
         terminated=ended,
@@ -357,7 +377,7 @@ def random_buffer(seed, rows=8, games=4):
     @jax.jit
     def fill(data):
         buffer = buffer_add(buffer_init(jax.tree.map(lambda x: x[0], data), rows), data)
-        return buffer_update_targets(buffer, jnp.float32(1.0), True)
+        return buffer_update_targets(buffer, jnp.float32(1.0), -1.0, True)
 
     return fill(data)
 
@@ -381,6 +401,7 @@ def test_sgd_step_averages_gradients_and_batch_statistics_over_devices():
     step = functools.partial(
         sgd_step,
         learner=learner,
+        loss_fn=board_loss,
         game="tic_tac_toe",
         perms=action_permutations("tic_tac_toe", 9),
         batch_size=16,
@@ -489,7 +510,13 @@ def test_run_outputs_reproducibility_resume_and_two_devices(tmp_path):
     assert {"eval_oracle_elo_low", "selfplay_game_length", "value_loss"} <= set(header)
     # Network, BatchNorm statistics, optimiser and counters are shared by both devices; their
     # games, replay data and keys are not.
-    per_device = (".buffer.data", ".buffer.targets", ".buffer.known", ".games", ".game_length")
+    per_device = (
+        ".buffer.data",
+        ".buffer.targets",
+        ".buffer.known",
+        ".games",
+        ".game_length",
+    )
     assert_devices_share_all_but(checkpoint_state(purejaxrl_az, first), (*per_device, ".key"))
     assert_game_records(first, last_evaluation=4)
 
@@ -566,8 +593,14 @@ def test_presets_help_and_game_names():
     assert resolve_game("Connect-Four") == "connect_four"
     config = parse_config(Config, PRESETS, ["--env", "connect_four"], preset_key=resolve_game)
     assert config.num_games == 128 and config.eval_every == 20
-    with pytest.raises(ConfigError, match=r"2048.*not a two-player.*valid games: tic_tac_toe"):
-        resolve_game("2048")
+    assert resolve_game("2048") == "2048"
+    for game, reason in [
+        ("backgammon", "dice"),
+        ("kuhn_poker", "hidden-information"),
+        ("minatar-breakout", "purejaxrl_ppo.py"),
+    ]:
+        with pytest.raises(ConfigError, match=rf"{game}.*{reason}.*valid games: tic_tac_toe"):
+            resolve_game(game)
     with pytest.raises(ConfigError, match=r"unknown game 'chekers'.*connect_four"):
         resolve_game("chekers")
 
@@ -581,6 +614,12 @@ def test_presets_help_and_game_names():
         (["--td-lambda", "1.5"], r"--td-lambda must be a finite number in \[0, 1\]"),
         (["--gumbel-scale", "nan"], "--gumbel-scale must be a finite number"),
         (["--num-simulations", "0"], "--num-simulations must be >= 1"),
+        (["--gamma", "0.99"], "two-player games alternate sides"),
+        (["--env", "2048", "--search", "gumbel"], "no Gumbel search with chance nodes"),
+        (["--env", "2048", "--batch-norm"], "LayerNorm"),
+        (["--env", "2048", "--record-games"], "--play RUN_DIR"),
+        (["--env", "2048", "--gamma", "0"], r"--gamma must be a finite number in \(0, 1\]"),
+        (["--env", "2048", "--expectimax-depth", "4"], "--expectimax-depth"),
     ],
 )
 def test_bad_flags_raise_config_error(tmp_path, flags, match):
@@ -599,9 +638,9 @@ def test_bad_swept_values_are_refused_before_anything_is_written(tmp_path):
 
 
 def test_bad_game_exits_2_before_compiling(tmp_path):
-    result = run_script("purejaxrl_az.py", "--env", "2048", "--runs-dir", str(tmp_path))
+    result = run_script("purejaxrl_az.py", "--env", "backgammon", "--runs-dir", str(tmp_path))
     assert result.returncode == 2
-    assert "not a two-player" in result.stderr and "Traceback" not in result.stderr
+    assert "dice" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path).exists() or not any(tmp_path.iterdir())
 
 

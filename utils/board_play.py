@@ -10,7 +10,8 @@ that trained several (seeds x sweep configurations, configuration-major, as in m
 default 0) and `@update=N` its checkpoint after update N (default the latest; older ones are
 kept with --keep-checkpoints). Each run plays with its own network and settings from its
 config.json; the agent's move is the trained network's greedy search (no Gumbel or Dirichlet
-noise, temperature 0) at the run's --num-simulations, or the one given here.
+noise, temperature 0) at the run's --num-simulations, or the one given here. 2048 has no
+opponent: --play replays one game of the agent's, move by move, and --arena refuses it.
 
 The arena reuses the in-loop evaluation (utils/board_eval.py): its match loop, scores and Elo.
 Greedy search is deterministic, so every game from one seat would be the same game: each pair
@@ -40,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 import pgx
 
-from utils import checkpoint
+from utils import checkpoint, game2048
 from utils.board_eval import match_metrics, play_against, save_game_svg
 from utils.devices import DEVICE_AXIS, use_compile_cache
 from utils.errors import ConfigError
@@ -229,8 +230,13 @@ def _coordinate(game: str, action: int) -> str:
     return f"{string.ascii_lowercase[action % cols]}{action // cols + 1}"
 
 
+MOVES_2048 = ("left", "up", "right", "down")
+
+
 def move_name(game: str, action: int) -> str:
     """How a move is written, the way `parse_move` reads it."""
+    if game == "2048":
+        return MOVES_2048[action]
     if game in ("tic_tac_toe", "connect_four"):
         return str(action + 1)
     if game in ("othello", "hex", "go_9x9", "go_19x19"):
@@ -299,6 +305,9 @@ def render(game: str, state) -> str:
         if game == "hex":
             lines.append("X joins the top and bottom edges, O the left and right")
         return "\n".join(lines)
+    if game == "2048":
+        board = np.asarray(game2048.board_of(state.observation)).reshape(4, 4)
+        return "\n".join(" ".join(f"{2**e if e else '.':>5}" for e in row) for row in board)
     return _render_generic(state)
 
 
@@ -353,8 +362,66 @@ class _Input:
         return text.rstrip("\n")
 
 
+def _agent_move(trainer, agent: Agent, num_simulations: int | None):
+    """The compiled (variables, hparams, key, state) -> (move, the root's visit shares [A],
+    the search's action weights [A], the root's value) of the run's greedy search."""
+    search = make_search(trainer, agent, num_simulations)
+
+    @jax.jit
+    def agent_move(variables, hparams, key, state):
+        games = jax.tree.map(lambda x: x[None], state)
+        output = search(variables, hparams, key, games)
+        summary = output.search_tree.summary()
+        visits = summary.visit_probs[0, : agent.env.num_actions]  # 2048: chance children after
+        return output.action[0], visits, output.action_weights[0], summary.value[0]
+
+    return agent_move
+
+
+def _search_line(game: str, action: int, visits, weights, value, whose: str) -> str:
+    """'agent plays X (search visits: ...; value ...)': the most visited moves; among equal
+    visits, the search's preferred ones first."""
+    visits = np.asarray(visits)
+    top = np.lexsort((-np.asarray(weights), -visits))[:3]
+    shares = ", ".join(f"{move_name(game, int(a))} {visits[a]:.0%}" for a in top if visits[a] > 0)
+    return (
+        f"agent plays {move_name(game, action)} (search visits: {shares}; value {whose}"
+        f"{float(value):+.2f})"
+    )
+
+
+def replay_2048(trainer, agent: Agent, args, stdout: TextIO) -> None:
+    """One game of the run's agent at 2048, each move printed with the board it leaves (the
+    new tile included), then the score, highest tile and moves."""
+    env, sims = agent.env, args.num_simulations or agent.config.num_simulations
+    agent_move = _agent_move(trainer, agent, args.num_simulations)
+    step = jax.jit(env.step)
+    key, init_key = jax.random.split(jax.random.PRNGKey(args.seed))
+    state = jax.jit(env.init)(init_key)
+    print(
+        f"2048: {agent.spec.label} (update {agent.update}, {sims} simulations per move) plays "
+        "one game; values are the expected merge rewards still to come.",
+        file=stdout,
+    )
+    print(f"\n{render('2048', state)}", file=stdout)
+    score = moves = 0
+    while not bool(state.terminated):
+        key, search_key, spawn_key = jax.random.split(key, 3)
+        action, visits, weights, value = agent_move(
+            agent.variables, agent.hparams, search_key, state
+        )
+        state = step(state, action, spawn_key)
+        score, moves = score + int(state.rewards[0]), moves + 1
+        line = _search_line("2048", int(action), visits, weights, value, "")
+        print(f"\nmove {moves}: {line}, score {score}\n{render('2048', state)}", file=stdout)
+        stdout.flush()
+    highest = 2 ** int(np.asarray(game2048.board_of(state.observation)).max())
+    print(f"\nGame over: score {score}, highest tile {highest}, {moves} moves.", file=stdout)
+
+
 def play(trainer, args, stdin: TextIO, stdout: TextIO) -> None:
-    """One game between the human (stdin) and the run's agent, drawn on stdout."""
+    """One game between the human (stdin) and the run's agent, drawn on stdout; 2048 replays
+    one game of the agent's alone (`replay_2048`)."""
     agent = load_agent(parse_run_spec(args.play, "--play"), trainer, "--play")
     game, env = agent.game, agent.env
     if agent.num_runs > 1 and agent.spec.run is None:
@@ -363,15 +430,10 @@ def play(trainer, args, stdin: TextIO, stdout: TextIO) -> None:
             "with RUN_DIR@run=K)",
             file=stdout,
         )
-    search = make_search(trainer, agent, args.num_simulations)
-
-    @jax.jit
-    def agent_move(variables, hparams, key, state):
-        games = jax.tree.map(lambda x: x[None], state)
-        output = search(variables, hparams, key, games)
-        summary = output.search_tree.summary()
-        return output.action[0], summary.visit_probs[0], output.action_weights[0], summary.value[0]
-
+    if game == "2048":
+        replay_2048(trainer, agent, args, stdout)
+        return
+    agent_move = _agent_move(trainer, agent, args.num_simulations)
     step = jax.jit(env.step)
     key = jax.random.PRNGKey(args.seed)
     key, init_key = jax.random.split(key)
@@ -402,17 +464,8 @@ def play(trainer, args, stdin: TextIO, stdout: TextIO) -> None:
             action, visits, weights, value = agent_move(
                 agent.variables, agent.hparams, search_key, state
             )
-            action, visits = int(action), np.asarray(visits)
-            # the most visited moves; among equal visits, the search's preferred ones first
-            top = np.lexsort((-np.asarray(weights), -visits))[:3]
-            shares = ", ".join(
-                f"{move_name(game, int(a))} {visits[a]:.0%}" for a in top if visits[a] > 0
-            )
-            print(
-                f"agent plays {move_name(game, action)} (search visits: {shares}; value for the "
-                f"agent {float(value):+.2f})",
-                file=stdout,
-            )
+            action = int(action)
+            print(_search_line(game, action, visits, weights, value, "for the agent "), file=stdout)
         state = step(state, jnp.int32(action))
     print(f"\n{render(game, state)}\n", file=stdout)
     result = float(state.rewards[human])
@@ -473,6 +526,11 @@ def arena(trainer, args, stdout: TextIO) -> dict:
     if args.opening_plies < 0:
         raise ConfigError(f"--opening-plies must be >= 0, got {args.opening_plies}")
     (_, game_a), (_, game_b) = (saved_config(spec, trainer, "--arena") for spec in (spec_a, spec_b))
+    if "2048" in (game_a, game_b):
+        raise ConfigError(
+            "--arena: 2048 is a single-player game, so its runs meet no opponent; compare their "
+            "eval_score in metrics.csv, or replay a game of each with --play"
+        )
     if game_a != game_b:
         raise ConfigError(
             f"--arena: {spec_a.label} plays {game_a} and {spec_b.label} {game_b}; an arena "
