@@ -128,8 +128,8 @@ class Config(RunConfig):
     (two-player games alternate sides instead: 1 there)"""
     augment: bool = True
     """train on a random board symmetry of each position (connect_four: mirror; tic_tac_toe,
-    othello, go: the 8 rotations and reflections; hex: 180-degree rotation; none for chess-like
-    games)"""
+    othello, go, 2048: the 8 rotations and reflections; hex: 180-degree rotation; none for
+    chess-like games)"""
     eval_every: int = 10
     """iterations between evaluations; a compiled chunk ends with one, so logging and
     checkpoints happen at the same points"""
@@ -177,8 +177,10 @@ PRESETS = {
     },
     # Single player: PUCT over chance nodes, lambda-returns of the merge rewards (a game's
     # outcome is thousands of points of noise), an MLP, and few simulations, since every one
-    # evaluates the network twice (afterstate and state). docs/alphazero.md, "2048".
+    # evaluates the network twice (afterstate and state). Without the board's symmetries,
+    # which learned slower in the runs of docs/alphazero.md, "2048".
     "2048": dict(
+        augment=False,
         search="puct",
         num_simulations=16,
         value_target="td-lambda",
@@ -269,7 +271,7 @@ def _dihedral(x, k: int):
 
 # Per game: the board transforms (functions on arrays whose first two axes are the board) and
 # the shape of the grid that board actions index in row-major order; actions past the grid
-# (pass, swap) are fixed by every symmetry.
+# (pass, swap) are fixed by every symmetry. 2048's actions are directions instead.
 SYMMETRIES = {
     "tic_tac_toe": ([functools.partial(_dihedral, k=k) for k in range(8)], (3, 3)),
     "othello": ([functools.partial(_dihedral, k=k) for k in range(8)], (8, 8)),
@@ -279,7 +281,18 @@ SYMMETRIES = {
     "connect_four": ([lambda x: x, lambda x: jnp.flip(x, 1)], (1, 7)),
     # Each player's two edges stay theirs only under the half turn.
     "hex": ([lambda x: x, functools.partial(_dihedral, k=2)], (11, 11)),
+    "2048": ([functools.partial(_dihedral, k=k) for k in range(8)], "directions"),
 }
+
+
+def direction_permutation(transform) -> np.ndarray:
+    """[4] for 2048: new move = result[old move] under a board transform. Move a slides the
+    tiles toward the low values of np.rot90(distance from the left edge, -a) (pgx turns the
+    board a quarter turns, then slides left), so the transformed field of move a is the field
+    of the move it becomes."""
+    fields = [np.rot90(np.tile(np.arange(4), (4, 1)), -a) for a in range(4)]
+    moved = [np.asarray(transform(jnp.asarray(field))) for field in fields]
+    return np.array([next(b for b in range(4) if (m == fields[b]).all()) for m in moved])
 
 
 def action_permutations(game: str, num_actions: int) -> np.ndarray:
@@ -289,19 +302,21 @@ def action_permutations(game: str, num_actions: int) -> np.ndarray:
     transforms, grid_shape = SYMMETRIES.get(game, ([lambda x: x], None))
     if grid_shape is None:
         return np.arange(num_actions)[None]
+    if grid_shape == "directions":
+        return np.stack([np.argsort(direction_permutation(t)) for t in transforms])
     num_cells = grid_shape[0] * grid_shape[1]
     grid = jnp.arange(num_cells).reshape(grid_shape)
     extra = np.arange(num_cells, num_actions)
     return np.stack([np.concatenate([np.asarray(t(grid)).ravel(), extra]) for t in transforms])
 
 
-def augment_position(game: str, perms: np.ndarray, k, obs, legal, policy):
-    """Symmetry k (traced) applied consistently to one position's observation, legal mask and
-    policy target."""
+def augment_position(game: str, perms: np.ndarray, k, obs, legal, policy, action):
+    """Symmetry k (traced) applied consistently to one position's observation, legal mask,
+    policy target and the move played."""
     transforms, _ = SYMMETRIES.get(game, ([lambda x: x], None))
     obs = jax.lax.switch(k, transforms, obs)
     perm = jnp.asarray(perms)[k]
-    return obs, legal[perm], policy[perm]
+    return obs, legal[perm], policy[perm], jnp.argmax(perm == action).astype(jnp.int32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -798,19 +813,20 @@ def categorical_value_loss(value_logits, value_target, weights):
     return jnp.sum(weights * cross_entropy) / jnp.maximum(weights.sum(), 1.0)
 
 
-def board_loss(apply, batch: Position, obs, legal, policy, targets, weights, gamma):
+def board_loss(apply, batch: Position, obs, legal, policy, action, targets, weights, gamma):
     """The board games' loss (`az_loss`) of the learner (`apply(obs) -> (outputs, BatchNorm
-    statistics)`) on the augmented positions. Returns (policy_loss, value_loss, statistics)."""
+    statistics)`) on the augmented positions (obs, legal, policy, action). Returns
+    (policy_loss, value_loss, statistics)."""
     (logits, value), new_stats = apply(obs)
     return (*az_loss(logits, value, legal, policy, targets, weights), new_stats)
 
 
-def chance_loss(apply, batch: Position, obs, legal, policy, targets, weights, gamma):
+def chance_loss(apply, batch: Position, obs, legal, policy, action, targets, weights, gamma):
     """2048's loss: the policy cross-entropy (`policy_loss_of`), plus categorical value losses of the
     position and of its afterstate (the board after the move played, before its spawn). The
     afterstate's target follows from the position's: G_t = r_t + gamma * (what follows the
     afterstate), 0 once the game has ended. The reported value loss is their sum."""
-    after, _, _ = jax.vmap(game2048.slide)(jax.vmap(game2048.board_of)(batch.obs), batch.action)
+    after, _, _ = jax.vmap(game2048.slide)(jax.vmap(game2048.board_of)(obs), action)
     both = jnp.concatenate([obs, jax.vmap(game2048.observation)(after).astype(obs.dtype)])
     (logits, value_logits, after_logits), new_stats = apply(both)
     size = obs.shape[0]
@@ -1034,8 +1050,8 @@ def sgd_step(
     sample_key, symmetry_key = jax.random.split(key)
     batch, targets, weights = buffer_sample(buffer, sample_key, batch_size)
     symmetry = jax.random.randint(symmetry_key, (batch_size,), 0, len(perms))
-    obs, legal, policy = jax.vmap(functools.partial(augment_position, game, perms))(
-        symmetry, batch.obs, batch.legal, batch.policy
+    obs, legal, policy, action = jax.vmap(functools.partial(augment_position, game, perms))(
+        symmetry, batch.obs, batch.legal, batch.policy, batch.action
     )
 
     def _loss(params):
@@ -1047,7 +1063,7 @@ def sgd_step(
             return outputs, updated["batch_stats"]
 
         policy_loss, value_loss, new_stats = loss_fn(
-            apply, batch, obs, legal, policy, targets, weights, hp.gamma
+            apply, batch, obs, legal, policy, action, targets, weights, hp.gamma
         )
         l2 = sum(jnp.sum(jnp.square(p)) for p in jax.tree.leaves(params))
         loss = policy_loss + value_loss + hp.weight_decay * l2

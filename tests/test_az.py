@@ -314,8 +314,8 @@ def test_symmetries_map_observations_legal_masks_and_policies_consistently(game)
     for k in range(len(perms)):
         inverse = np.argsort(perms[k])  # old action a is new action inverse[a]
         policy = jnp.asarray(rng.random(env.num_actions), jnp.float32)
-        obs, _, _ = augment_position(
-            game, perms, k, start.observation, start.legal_action_mask, policy
+        obs, _, _, _ = augment_position(
+            game, perms, k, start.observation, start.legal_action_mask, policy, jnp.int32(0)
         )
         if not bool(jnp.all(obs == start.observation)):
             continue  # othello's start is not symmetric under every transform
@@ -328,9 +328,10 @@ def test_symmetries_map_observations_legal_masks_and_policies_consistently(game)
             mapped = step(mapped, jnp.int32(inverse[action]))
             if bool(state.terminated | state.truncated):
                 break
-            obs, legal_mask, new_policy = augment_position(
-                game, perms, k, state.observation, state.legal_action_mask, policy
+            obs, legal_mask, new_policy, new_action = augment_position(
+                game, perms, k, state.observation, state.legal_action_mask, policy, action
             )
+            assert int(new_action) == inverse[action]
             np.testing.assert_array_equal(np.asarray(obs), np.asarray(mapped.observation))
             np.testing.assert_array_equal(
                 np.asarray(legal_mask), np.asarray(mapped.legal_action_mask)

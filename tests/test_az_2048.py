@@ -22,7 +22,10 @@ from purejaxrl_az import (
     Config,
     HyperParams,
     MLPNet,
+    _dihedral,
+    action_permutations,
     agent_search,
+    augment_position,
     inverse_value_transform,
     make_chance_model,
     make_train,
@@ -116,6 +119,32 @@ def test_a_move_then_its_spawn_is_pgx_step():
         assert int(bad) == 0
         checked += int(playing)
     assert checked > 20_000
+
+
+def test_the_8_symmetries_map_moves_so_that_slides_commute_with_them():
+    """Under each board symmetry, augment_position's move slides the transformed board into
+    the transformed afterstate, and the legal mask and policy follow the moves."""
+    perms = action_permutations("2048", 4)
+    assert len(perms) == 8 and sorted(map(tuple, perms)) == sorted(set(map(tuple, perms)))
+    rng = np.random.default_rng(5)
+    for board in random_boards(10, seed=1):
+        obs, legal = game2048.observation(board), game2048.legal_moves(board)
+        policy = jnp.asarray(rng.random(4), jnp.float32)
+        for k in range(8):
+            for move in range(4):
+                new_obs, new_legal, new_policy, new_move = augment_position(
+                    "2048", perms, k, obs, legal, policy, jnp.int32(move)
+                )
+                new_board = game2048.board_of(new_obs)
+                after, reward, _ = game2048.slide(jnp.asarray(board), move)
+                new_after, new_reward, _ = game2048.slide(new_board, new_move)
+                np.testing.assert_array_equal(
+                    game2048.observation(new_after), _dihedral(game2048.observation(after), k)
+                )
+                assert float(new_reward) == float(reward)
+                assert bool(new_legal[new_move]) == bool(legal[move])
+                assert float(new_policy[new_move]) == float(policy[move])
+            np.testing.assert_array_equal(new_legal, game2048.legal_moves(new_board))
 
 
 def test_pgx_spawns_as_often_as_the_chance_model_says():

@@ -64,6 +64,7 @@ def _slide_rows_left(rows):
 def slide(board, move):
     """The player's move on one board [16]: (afterstate [16], merge reward [] float32, whether
     any tile moved [] bool; a move that moves nothing is illegal)."""
+    board = jnp.asarray(board)
     turned = board[jnp.asarray(_TURNED)[move]].reshape(4, 4)
     rows, reward = _slide_rows_left(turned)
     after = rows.ravel()[jnp.asarray(_UNTURNED)[move]]
