@@ -1310,6 +1310,32 @@ def validate_single_player(config: Config) -> None:
         )
 
 
+def make_evaluate_agent(config: Config, env, num_devices: int, oracle_table):
+    """(agent (games, key) -> moves, key) -> metrics: the in-loop evaluation on one device,
+    and its opponents by name. Board games: matches against random, plain MCTS and, for
+    tic_tac_toe, minimax (utils/board_eval.py); 2048: whole games beside a random and an
+    expectimax player (utils/game2048.py), no opponents."""
+    num_games = config.eval_games // num_devices
+    if env.num_players == 1:
+        return functools.partial(
+            game2048.evaluate_player,
+            env=env,
+            num_games=num_games,
+            max_moves=EVAL_MAX_MOVES,
+            expectimax_depth=config.expectimax_depth,
+        ), {}
+    mcts_search = functools.partial(plain_search, env=env, num_simulations=config.baseline_sims)
+    players = opponents(env, mcts_search, oracle_table)
+    return functools.partial(
+        evaluate_agent,
+        env=env,
+        players=players,
+        num_games=num_games,
+        oracle_table=oracle_table,
+        capture_video=config.record_games,
+    ), players
+
+
 def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
     """The stages bound to this run's static settings (game, network, sizes per device), and
     the Trainer the driver runs them with; without a runtime, for one run on one device."""
@@ -1355,26 +1381,7 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
         batch_norm=config.batch_norm,
         solo=solo,
     )
-    if solo:
-        players = {}
-        evaluate_agent_fn = functools.partial(
-            game2048.evaluate_player,
-            env=env,
-            num_games=config.eval_games // num_devices,
-            max_moves=EVAL_MAX_MOVES,
-            expectimax_depth=config.expectimax_depth,
-        )
-    else:
-        mcts_search = functools.partial(plain_search, env=env, num_simulations=config.baseline_sims)
-        players = opponents(env, mcts_search, oracle_table)
-        evaluate_agent_fn = functools.partial(
-            evaluate_agent,
-            env=env,
-            players=players,
-            num_games=config.eval_games // num_devices,
-            oracle_table=oracle_table,
-            capture_video=config.record_games,
-        )
+    evaluate_agent_fn, players = make_evaluate_agent(config, env, num_devices, oracle_table)
     evaluate_fn = functools.partial(
         evaluate,
         search_fn=search_fn,

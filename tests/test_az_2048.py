@@ -297,10 +297,11 @@ def scores_of_random():
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
-    """A tiny 2048 run through the driver: its summary."""
+    """A tiny 2048 run through the driver, one chunk of 2 iterations: its summary."""
     args = [
         *TINY_AZ,
         "--env", "2048",
+        "--num-iterations", "2",
         "--num-channels", "16",
         "--eval-games", "4",
         "--no-progress",

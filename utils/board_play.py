@@ -516,10 +516,9 @@ def with_opening(player, plies: int, opening_key):
     return move
 
 
-def arena(trainer, args, stdout: TextIO) -> dict:
-    """`args.eval_games` games between two runs, half with each moving first: W/D/L, score and
-    Elo of A against B (utils/board_eval.py), written with the per-game results and one game
-    record per seat into the arena directory. Returns what arena.json holds."""
+def arena_runs(trainer, args) -> tuple[RunSpec, RunSpec]:
+    """The two runs of --arena, once its flags and the runs' games are known to allow a match;
+    otherwise a ConfigError of one sentence."""
     spec_a, spec_b = (parse_run_spec(text, "--arena") for text in args.arena)
     if args.eval_games < 2 or args.eval_games % 2:
         raise ConfigError(f"--eval-games must be a positive even number, got {args.eval_games}")
@@ -536,6 +535,14 @@ def arena(trainer, args, stdout: TextIO) -> dict:
             f"--arena: {spec_a.label} plays {game_a} and {spec_b.label} {game_b}; an arena "
             "needs two runs of the same game"
         )
+    return spec_a, spec_b
+
+
+def arena(trainer, args, stdout: TextIO) -> dict:
+    """`args.eval_games` games between two runs, half with each moving first: W/D/L, score and
+    Elo of A against B (utils/board_eval.py), written with the per-game results and one game
+    record per seat into the arena directory. Returns what arena.json holds."""
+    spec_a, spec_b = arena_runs(trainer, args)
     a = load_agent(spec_a, trainer, "--arena")
     b = load_agent(spec_b, trainer, "--arena")
     out_dir = args.arena_dir or os.path.join(
