@@ -4,10 +4,12 @@
     python benchmarks/az_selfplay.py --cpu-devices 2      # the host split into 2 XLA devices
     python benchmarks/az_selfplay.py --games othello:64 --iterations 10
 
-The reference is the self-play step of pgx's examples/alphazero/train.py with that example's
-configuration scaled down: its ResNet v2 (BatchNorm, 2 blocks x 32 channels, XLA convolutions),
-32 simulations of Gumbel MuZero, `auto_reset` games, pmapped over the local devices. It only
-plays: moves/s of one jitted call of `--rollout-steps` moves, compile excluded.
+The reference is the self-play step of pgx's examples/alphazero/train.py (rebuilt in
+benchmarks/references.py) with that example's configuration scaled down: its ResNet v2
+(BatchNorm, 2 blocks x 32 channels, XLA convolutions), 32 simulations of Gumbel MuZero,
+`auto_reset` games, pmapped over the local devices. It only plays: moves/s of one jitted call
+of `--rollout-steps` moves (returning the positions, search policies and rewards the example
+trains on), compile excluded.
 
 Ours is `purejaxrl_az.py` at the game's preset (same network size, simulations and number of
 games) through the normal driver, so its moves/s also pay for the replay buffer, value targets,
@@ -26,18 +28,16 @@ import sys
 import tempfile
 import time
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import mctx
 import numpy as np
 import pgx
 import tyro
-from pgx.experimental import auto_reset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import purejaxrl_az
+from benchmarks.references import ReferenceNet, reference_selfplay
 from utils.cli import parse_config
 from utils.devices import split_cpu_host
 from utils.driver import run_training
@@ -65,41 +65,6 @@ class Args:
     """also write the results to this JSON file"""
 
 
-class ReferenceBlock(nn.Module):
-    """pgx example's BlockV2: (BatchNorm, relu, conv) x 2 plus the input."""
-
-    channels: int
-
-    @nn.compact
-    def __call__(self, x):
-        y = nn.Conv(self.channels, (3, 3))(nn.relu(nn.BatchNorm(use_running_average=True)(x)))
-        y = nn.Conv(self.channels, (3, 3))(nn.relu(nn.BatchNorm(use_running_average=True)(y)))
-        return x + y
-
-
-class ReferenceNet(nn.Module):
-    """pgx example's AZNet with resnet_v2=True, in inference mode."""
-
-    num_actions: int
-    channels: int = 32
-    blocks: int = 2
-
-    @nn.compact
-    def __call__(self, x):
-        def norm(x):
-            return nn.BatchNorm(use_running_average=True)(x)
-
-        x = nn.Conv(self.channels, (3, 3))(x.astype(jnp.float32))
-        for _ in range(self.blocks):
-            x = ReferenceBlock(self.channels)(x)
-        x = nn.relu(norm(x))
-        policy = nn.relu(norm(nn.Conv(2, (1, 1))(x)))
-        logits = nn.Dense(self.num_actions)(policy.reshape(policy.shape[0], -1))
-        value = nn.relu(norm(nn.Conv(1, (1, 1))(x)))
-        value = nn.relu(nn.Dense(self.channels)(value.reshape(value.shape[0], -1)))
-        return logits, jnp.tanh(nn.Dense(1)(value))[:, 0]
-
-
 def compile_reference(game: str, num_games: int, steps: int, simulations: int):
     """The pgx example's self-play step, compiled: (a function that times it and returns
     moves/s, compile seconds)."""
@@ -109,44 +74,7 @@ def compile_reference(game: str, num_games: int, steps: int, simulations: int):
     net = ReferenceNet(env.num_actions)
     example = jax.vmap(env.init)(jax.random.split(jax.random.PRNGKey(0), games_per_device))
     variables = net.init(jax.random.PRNGKey(0), example.observation)
-
-    def recurrent_fn(variables, key, action, state):
-        player = state.current_player
-        state = jax.vmap(env.step)(state, action)
-        logits, value = net.apply(variables, state.observation)
-        logits = logits - jnp.max(logits, axis=-1, keepdims=True)
-        logits = jnp.where(state.legal_action_mask, logits, jnp.finfo(logits.dtype).min)
-        output = mctx.RecurrentFnOutput(
-            reward=state.rewards[jnp.arange(games_per_device), player],
-            discount=jnp.where(state.terminated, 0.0, -1.0),
-            prior_logits=logits,
-            value=jnp.where(state.terminated, 0.0, value),
-        )
-        return output, state
-
-    def selfplay(variables, key):
-        def step_fn(state, key):
-            search_key, reset_key = jax.random.split(key)
-            logits, value = net.apply(variables, state.observation)
-            root = mctx.RootFnOutput(prior_logits=logits, value=value, embedding=state)
-            output = mctx.gumbel_muzero_policy(
-                params=variables,
-                rng_key=search_key,
-                root=root,
-                recurrent_fn=recurrent_fn,
-                num_simulations=simulations,
-                invalid_actions=~state.legal_action_mask,
-                qtransform=mctx.qtransform_completed_by_mix_value,
-                gumbel_scale=1.0,
-            )
-            keys = jax.random.split(reset_key, games_per_device)
-            state = jax.vmap(auto_reset(env.step, env.init))(state, output.action, keys)
-            return state, output.action_weights
-
-        init_key, key = jax.random.split(key)
-        state = jax.vmap(env.init)(jax.random.split(init_key, games_per_device))
-        _, weights = jax.lax.scan(step_fn, state, jax.random.split(key, steps))
-        return weights
+    selfplay = reference_selfplay(env, net, games_per_device, steps, simulations)
 
     replicated = jax.tree.map(lambda x: jnp.stack([x] * devices), variables)
     keys = jax.random.split(jax.random.PRNGKey(1), devices)

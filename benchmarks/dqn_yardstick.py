@@ -3,12 +3,12 @@
     python benchmarks/dqn_yardstick.py                   # CartPole, 5e5 steps, 2 rounds
     python benchmarks/dqn_yardstick.py --total-timesteps 100000 --rounds 1
 
-The reference is PureJaxRL's dqn.py training loop at its CartPole configuration, rebuilt here
-from its published description: 10 environments stepped once per scan iteration, a flashbax
+The reference is PureJaxRL's dqn.py training loop at its CartPole configuration, rebuilt in
+benchmarks/references.py from its published description: 10 environments stepped once per scan iteration, a flashbax
 flat buffer of 10k transitions, a 120-84 MLP, one Adam step on 128 sampled transitions per
 iteration (its training interval of 10 env steps) once 10k steps are in, plain 1-step targets
 from the target network copied every 500 steps, epsilon 1 -> 0.05 over 2.5e5 steps, and no
-logging callback. gymnax 1.0's `terminated or truncated` is its `done`. It runs twice: as JAX
+logging callback (each update sums the returns of the episodes that ended in it). gymnax 1.0's `terminated or truncated` is its `done`. It runs twice: as JAX
 runs it by default, which is how its users get it, and with the threefry lowering our driver
 switches on (utils/devices.py), which shows how much of the difference is that switch.
 
@@ -26,23 +26,18 @@ import os
 import sys
 import tempfile
 import time
-from typing import NamedTuple
 
-import flashbax
-import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import purejaxrl_dqn
+from benchmarks.references import reference_dqn
 from utils.cli import parse_config
 from utils.devices import unroll_threefry_on_cpu
 from utils.driver import run_training
-from utils.envs import make_env
 from utils.logs import write_json
 
 
@@ -58,110 +53,13 @@ class Args:
     """also write the results to this JSON file"""
 
 
-# PureJaxRL's dqn.py CartPole configuration
-NUM_ENVS = 10
-BUFFER_SIZE = 10_000
-BATCH_SIZE = 128
-EPSILON_START, EPSILON_FINISH, EPSILON_ANNEAL_TIME = 1.0, 0.05, 250_000
-TARGET_UPDATE_INTERVAL = 500
-LEARNING_RATE = 2.5e-4
-LEARNING_STARTS = 10_000
-TRAINING_INTERVAL = 10
-GAMMA = 0.99
-
-
-class ReferenceQNetwork(nn.Module):
-    num_actions: int
-
-    @nn.compact
-    def __call__(self, x):
-        x = nn.relu(nn.Dense(120)(x))
-        x = nn.relu(nn.Dense(84)(x))
-        return nn.Dense(self.num_actions)(x)
-
-
-class Step(NamedTuple):
-    obs: jax.Array
-    action: jax.Array
-    reward: jax.Array
-    done: jax.Array
-
-
 def reference_train(env_name: str, total_timesteps: int):
-    """PureJaxRL's DQN loop as one jittable function of a key -> (final carry, per-iteration
-    loss and mean episode return)."""
-    env, env_params, spec = make_env(env_name)
-    network = ReferenceQNetwork(spec.num_actions)
-    optimizer = optax.adam(LEARNING_RATE)
-    buffer = flashbax.make_flat_buffer(
-        max_length=BUFFER_SIZE,
-        min_length=BATCH_SIZE,
-        sample_batch_size=BATCH_SIZE,
-        add_sequences=False,
-        add_batch_size=NUM_ENVS,
-    )
-
-    def step_envs(key, state, action):
-        obs, state, reward, terminated, truncated, info = jax.vmap(
-            env.step, in_axes=(0, 0, 0, None)
-        )(jax.random.split(key, NUM_ENVS), state, action, env_params)
-        return obs, state, reward, jnp.logical_or(terminated, truncated), info
+    """PureJaxRL's DQN loop as one jittable function of a key -> (final carry, per-update
+    metrics), its whole run one scan as in dqn.py."""
+    loop = reference_dqn(env_name, total_timesteps)
 
     def train(key):
-        key, reset_key, init_key = jax.random.split(key, 3)
-        obs, env_state = jax.vmap(env.reset, in_axes=(0, None))(
-            jax.random.split(reset_key, NUM_ENVS), env_params
-        )
-        params = network.init(init_key, obs)
-        example = Step(obs[0], jnp.int32(0), jnp.float32(0), jnp.bool_(False))
-        carry = (params, params, optimizer.init(params), buffer.init(example), env_state, obs)
-        carry = (*carry, jnp.int32(0), key)
-
-        def _update_step(carry, _):
-            params, target_params, opt_state, buffer_state, env_state, last_obs, t, key = carry
-            key, explore_key, choice_key, step_key, sample_key = jax.random.split(key, 5)
-            q = network.apply(params, last_obs)
-            epsilon = jnp.clip(
-                (EPSILON_FINISH - EPSILON_START) / EPSILON_ANNEAL_TIME * t + EPSILON_START,
-                EPSILON_FINISH,
-            )
-            random_action = jax.random.randint(choice_key, (NUM_ENVS,), 0, spec.num_actions)
-            explore = jax.random.uniform(explore_key, (NUM_ENVS,)) < epsilon
-            action = jnp.where(explore, random_action, q.argmax(-1))
-            obs, env_state, reward, done, info = step_envs(step_key, env_state, action)
-            t = t + NUM_ENVS
-            buffer_state = buffer.add(buffer_state, Step(last_obs, action, reward, done))
-
-            def _learn(params, opt_state):
-                batch = buffer.sample(buffer_state, sample_key).experience
-                next_q = network.apply(target_params, batch.second.obs).max(-1)
-                target = batch.first.reward + (1 - batch.first.done) * GAMMA * next_q
-
-                def _loss(params):
-                    q = network.apply(params, batch.first.obs)
-                    chosen = jnp.take_along_axis(q, batch.first.action[:, None], -1)[:, 0]
-                    return jnp.mean((chosen - target) ** 2)
-
-                loss, grads = jax.value_and_grad(_loss)(params)
-                updates, opt_state = optimizer.update(grads, opt_state)
-                return optax.apply_updates(params, updates), opt_state, loss
-
-            learn_now = (
-                buffer.can_sample(buffer_state)
-                & (t > LEARNING_STARTS)
-                & (t % TRAINING_INTERVAL == 0)
-            )
-            params, opt_state, loss = jax.lax.cond(
-                learn_now, _learn, lambda p, o: (p, o, jnp.float32(0)), params, opt_state
-            )
-            target_params = jax.lax.cond(
-                t % TARGET_UPDATE_INTERVAL == 0, lambda: params, lambda: target_params
-            )
-            metrics = {"loss": loss, "returns": info["episode_return"].mean()}
-            carry = (params, target_params, opt_state, buffer_state, env_state, obs, t, key)
-            return carry, metrics
-
-        return jax.lax.scan(_update_step, carry, None, total_timesteps // NUM_ENVS)
+        return jax.lax.scan(loop.update, loop.init(key), None, loop.num_updates)
 
     return train
 

@@ -1,6 +1,7 @@
-"""The accelerator benchmark: seven runs that show what one GPU does, in one JSON file.
+"""The accelerator benchmark: seven runs that show what one GPU does, and the time-to-skill
+table, in one JSON file.
 
-    python benchmarks/gpu.py --out gpu.json             # on a CUDA machine, under 10 minutes
+    python benchmarks/gpu.py --out gpu.json             # on a CUDA machine
     python benchmarks/gpu.py --smoke --out smoke.json   # the same runs, tiny, on any CPU
     python benchmarks/gpu.py --dry-run                  # parse and check every run's flags only
 
@@ -9,7 +10,9 @@ progress bar, no final evaluation): PPO CartPole with 2048 envs; PPO CartPole wi
 seeds; PPO Breakout-MinAtar for 1e7 steps at its preset; PPO Craftax-Classic with the Craftax
 paper's 1024 envs; PPO on Brax's hopper with PureJaxRL's 2048 envs x 10 steps; DQN CartPole
 with 128 seeds; AlphaZero connect_four with 1024 games. Each row has steps (or moves) per
-second over all seeds, compile seconds and wall seconds.
+second over all seeds, compile seconds and wall seconds. Then benchmarks/time_to_skill.py's
+default workloads, 3 seeds each (1 with --smoke), ours next to the anchors: its table goes into
+the JSON file as "time_to_skill" (leave it out with --skip time_to_skill).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import purejaxrl_az
 import purejaxrl_dqn
 import purejaxrl_ppo
+from benchmarks import time_to_skill
 from utils.cli import parse_config
 from utils.driver import run_training
 from utils.logs import write_json
@@ -42,7 +46,7 @@ class Args:
     out: str = "gpu_benchmark.json"
     """where the JSON results go"""
     skip: tuple[str, ...] = ()
-    """names of runs to leave out"""
+    """names of runs to leave out (time_to_skill: the time-to-skill table)"""
     dry_run: bool = False
     """parse and validate every run's flags, at full and smoke size, and train nothing"""
 
@@ -105,12 +109,19 @@ def parse_run(trainer, flags: str, runs_dir: str, smoke: bool):
 
 
 def dry_run() -> None:
-    """Every run's flags, at both sizes, parsed and validated as the driver would."""
+    """Every run's flags, at both sizes, parsed and validated as the driver would; so are our
+    side's flags of the time-to-skill workloads."""
     for name, (trainer, full, smoke) in RUNS.items():
         for size, flags in (("full", full), ("smoke", smoke)):
             config = parse_run(trainer, flags, "runs", size == "smoke")
             trainer.validate(config, Runtime())
         print(f"{name}: flags parse and validate")
+    for name in time_to_skill.DEFAULT_WORKLOADS.split(","):
+        workload = time_to_skill.WORKLOADS[name]
+        for flags in (workload.flags, workload.smoke_flags):
+            config = parse_run(workload.trainer, flags, "runs", flags == workload.smoke_flags)
+            workload.trainer.validate(config, Runtime())
+        print(f"time_to_skill {name}: flags parse and validate")
 
 
 def main(args: Args) -> dict:
@@ -142,6 +153,11 @@ def main(args: Args) -> dict:
                 "wall_seconds": round(summary["wall_seconds"], 2),
                 "final": summary["final_mean"],
             }
+    if "time_to_skill" not in args.skip:  # last: it turns the compilation cache off
+        skill = time_to_skill.main(
+            time_to_skill.Args(seeds=1 if args.smoke else 3, cpu_devices=0, smoke=args.smoke)
+        )
+        results["time_to_skill"] = {k: skill[k] for k in ("seeds", "workloads", "table")}
     results["total_seconds"] = round(time.perf_counter() - start, 1)
     write_json(args.out, results)
     for name, row in results["runs"].items():

@@ -54,7 +54,8 @@ def check_gpu_benchmark_smoke_mode(tmp_path):
     out = tmp_path / "gpu.json"
     # The Craftax and Brax runs compile for minutes on a CPU: their flags are checked by
     # test_every_gpu_benchmark_run_parses_and_validates instead.
-    heavy = ["ppo_craftax_classic_1024_envs", "ppo_hopper_2048_envs"]
+    # time_to_skill has a smoke test of its own.
+    heavy = ["ppo_craftax_classic_1024_envs", "ppo_hopper_2048_envs", "time_to_skill"]
     result = run_script(
         "benchmarks/gpu.py", "--smoke", "--out", str(out), "--skip", *heavy, timeout=600
     )
@@ -104,4 +105,44 @@ def test_throughput_then_dqn_yardstick_benchmarks_run(tmp_path):
 def test_every_gpu_benchmark_run_parses_and_validates():
     result = run_script("benchmarks/gpu.py", "--dry-run")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count("flags parse and validate") == 7
+    assert result.stdout.count("flags parse and validate") == 7 + 3
+    for name in ("ppo_cartpole", "dqn_cartpole", "az_tic_tac_toe"):
+        assert f"time_to_skill {name}: flags parse and validate" in result.stdout
+
+
+def test_time_to_skill_benchmark_runs(tmp_path):
+    # Alone, not in a pair: the benchmark compiles every run from scratch, without the cache.
+    # A threshold any run meets at its first chunk (an AlphaZero loss rate of at most 1 too).
+    out = tmp_path / "skill.json"
+    result = run_script(
+        "benchmarks/time_to_skill.py",
+        "--workloads", "ppo_cartpole,az_tic_tac_toe",
+        "--smoke",
+        "--threshold", "1",
+        "--seeds", "2",
+        "--cpu-devices", "0",
+        "--out", str(out),
+        timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert results["seeds"] == 2 and results["smoke"]
+    ppo, az = results["workloads"]
+    assert (ppo["workload"], az["workload"]) == ("ppo_cartpole", "az_tic_tac_toe")
+    for row in (ppo, az):
+        for side in ("ours", "anchor"):
+            stats = row[side]
+            assert (stats["reached"], stats["seeds"]) == (2, 2)
+            assert [run["seed"] for run in row["runs"][side]] == [1, 2]
+            for field in ("wall_seconds", "train_seconds", "steps"):
+                assert stats[field]["min"] <= stats[field]["median"] <= stats[field]["max"]
+                assert not stats[field]["lower_bound"]
+        assert float(row["ratio_wall"]) > 0 and float(row["ratio_train"]) >= 0
+    assert ppo["ours"]["steps"]["median"] == 64  # one update of 4 envs x 16 steps
+    assert az["anchor"]["steps"]["median"] == 64  # one iteration of 16 games x 4 moves
+    lines = results["table"].splitlines()
+    assert lines[0].startswith("| workload | goal | anchor |") and len(lines) == 4
+    assert lines[2].startswith(
+        "| ppo_cartpole | episode_return 1.0 | PureJaxRL ppo.py | 2/2 / 2/2 |"
+    )
+    assert results["table"] in result.stdout

@@ -435,6 +435,17 @@ def test_progress_is_one_plain_line_per_chunk_where_stdout_is_not_a_terminal(tmp
     assert "80 steps, episode_return 0.99" in lines[-1] and lines[-1].endswith("ETA 0 s")
 
 
+def test_the_summary_times_the_end_of_every_chunk(tmp_path):
+    summary = train(tmp_path, updates_per_chunk=3)  # 8 updates: chunks of 3, 3 and 2
+    ends = summary["chunk_ends"]
+    assert [end["update"] for end in ends] == [3, 6, 8]
+    walls = [end["wall_seconds"] for end in ends]
+    assert walls == sorted(walls) and walls[-1] <= summary["wall_seconds"]
+    for end in ends:  # the shorter last chunk compiled a program of its own
+        assert 0 < end["compile_seconds"] <= end["wall_seconds"]
+    assert ends[1]["compile_seconds"] == ends[0]["compile_seconds"] < ends[2]["compile_seconds"]
+
+
 # ---------------------------------------------------------------------------------------------
 # The reductions every reported number goes through, against plain loops
 # ---------------------------------------------------------------------------------------------

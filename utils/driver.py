@@ -393,6 +393,9 @@ class _Clock:
     previous: dict = dataclasses.field(
         default_factory=lambda: {"train_seconds": 0.0, "compile_seconds": 0.0, "wall_seconds": 0.0}
     )
+    # `totals` at the end of every chunk this process trained, after its logs and checkpoint:
+    # when a metric first reached a value (benchmarks/time_to_skill.py)
+    chunk_ends: list = dataclasses.field(default_factory=list)
 
     def totals(self, update: int) -> dict:
         """The checkpoint's meta: the update and the run's seconds so far."""
@@ -638,6 +641,7 @@ def train_in_chunks(plan: RunPlan, state, start_update: int, clock: _Clock, wand
                     written = trainer.write_records(plan.run_dir, update, records)
                 if wandb_sink is not None:
                     wandb_sink.log_files(update * trainer.steps_per_update, written)
+            clock.chunk_ends.append(clock.totals(update))
             done_steps = (update - start_update) * trainer.steps_per_update * plan.num_runs
             last_values = metrics[trainer.headline_metric][:, -1]
             mean_value = np.nanmean(last_values) if np.isfinite(last_values).any() else np.nan
@@ -728,8 +732,10 @@ def _summary(
 ) -> dict:
     """summary.json: lists "per seed" hold one entry per run, configuration-major when
     sweeping. "final_*" is the headline metric over the last updates trained; "eval_return_*"
-    the mean return of the evaluation after training (null without one); "diverged" where the
-    first run diverged (null if none did)."""
+    the mean return of the evaluation after training (null without one); "chunk_ends" the
+    update and the run's seconds so far (wall, compile, train) at the end of every chunk this
+    process trained, its logs and checkpoint written (after a resume: from there on);
+    "diverged" where the first run diverged (null if none did)."""
     trainer, config = plan.trainer, plan.config
     end_update = trainer.num_updates if divergence is None else divergence.logged_until
     num_seeds, num_runs = config.num_seeds, plan.num_runs
@@ -761,6 +767,7 @@ def _summary(
         "train_seconds": totals["train_seconds"],
         "wall_seconds": totals["wall_seconds"],
         "resumed_from_update": start_update if config.resume is not None else None,
+        "chunk_ends": clock.chunk_ends,
         "diverged": None if divergence is None else _divergence_entry(plan, divergence),
     }
     if config.sweep:
