@@ -150,6 +150,7 @@ def test_az_2048_learns_beyond_what_its_search_finds_with_an_untrained_network(t
     flags = [
         "--env", "2048", "--num-simulations", "4", "--num-games", "32", "--num-channels", "64",
         "--eval-games", "64", "--cpu-devices", "0",
+        "--expectimax-depth", "1",  # the evaluation's baseline player, at its cheapest
     ]  # fmt: skip
     summary = train(
         tmp_path, "purejaxrl_az", *flags, "--num-iterations", "30", "--eval-every", "30",
