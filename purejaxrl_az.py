@@ -397,8 +397,8 @@ def two_hot(values):
 def value_at_zero(key, shape, dtype=jnp.float32):
     """Value logits [VALUE_BINS] whose value is about 0 (bin 0 at e^20 times any other): the
     value heads' bias at initialisation, with zero weights. An untrained network then values
-    every position alike, and its search plans with the rules and the merge rewards alone,
-    rather than with the noise of random value heads whose values span thousands."""
+    every position alike, rather than with the noise of random value heads whose values span
+    thousands, and its search weighs the merge rewards it can see through the rules."""
     del key
     return jnp.where(jnp.arange(shape[-1]) == 0, 0.0, -20.0).astype(dtype)
 

@@ -255,12 +255,18 @@ def test_expectimax_player_against_its_definition_on_tiny_boards():
 
 
 def test_search_over_the_true_model_beats_random_play_with_an_untrained_network():
-    """The chance-node wiring: an untrained network's greedy search at 8 simulations scores
-    well above a random player on the same number of games. This is also the learning test's
-    negative control (tests/test_learning.py)."""
+    """The chance-node wiring: the greedy search of an untrained network whose policy head is
+    zeroed, so that its priors are uniform and its values (zero-initialised heads) the same
+    everywhere, scores well above a random player over 48 games. The search alone, through
+    the rules and the merge rewards, makes the difference; a random policy head's arbitrary
+    preferences would decide between near-equal moves instead."""
     config = parse_config(Config, PRESETS, ["--env", "2048"], preset_key=resolve_game)
     network = MLPNet(4, num_blocks=1, num_channels=32)
     variables = network.init(jax.random.PRNGKey(0), jnp.zeros((1, 4, 4, 31)))
+    (policy_head,) = [k for k, v in variables["params"].items() if v.get("bias", ()).shape == (4,)]
+    variables["params"][policy_head] = jax.tree.map(
+        jnp.zeros_like, variables["params"][policy_head]
+    )
     hp = hyperparams_of(HyperParams, config)
 
     def agent(games, key):
@@ -277,22 +283,16 @@ def test_search_over_the_true_model_beats_random_play_with_an_untrained_network(
             greedy=True,
         ).action
 
-    def scores(player):
-        return game2048.play_games(
-            ENV, player, jax.random.PRNGKey(4), num_games=16, max_moves=5_000
-        )[0].mean()
+    @jax.jit
+    def scores():
+        def mean_score(player):
+            key = jax.random.PRNGKey(4)
+            return game2048.play_games(ENV, player, key, num_games=48, max_moves=5_000)[0].mean()
 
-    searched, random = float(jax.jit(lambda: scores(agent))()), float(scores_of_random())
-    assert searched > 1.8 * random, (searched, random)
+        return mean_score(agent), mean_score(game2048.random_player)
 
-
-@functools.cache
-def scores_of_random():
-    return jax.jit(
-        lambda: game2048.play_games(
-            ENV, game2048.random_player, jax.random.PRNGKey(4), num_games=16, max_moves=5_000
-        )[0].mean()
-    )()
+    searched, random = map(float, scores())
+    assert searched > 1.5 * random, (searched, random)
 
 
 @pytest.fixture(scope="module")
