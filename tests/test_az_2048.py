@@ -37,6 +37,7 @@ from purejaxrl_az import (
 )
 from tests.helpers import TINY_AZ
 from utils import board_play, game2048
+from utils.board_eval import random_player
 from utils.cli import parse_config
 from utils.driver import run_training
 from utils.errors import ConfigError
@@ -92,7 +93,7 @@ def test_a_move_then_its_spawn_is_pgx_step():
     @jax.jit
     def check(games, key):
         move_key, step_key = jax.random.split(key)
-        move = game2048.random_player(games, move_key)
+        move = random_player(games, move_key)
         board = jax.vmap(game2048.board_of)(games.observation)
         after, reward, moved = jax.vmap(game2048.slide)(board, move)
         stepped = jax.vmap(ENV.step)(games, move, jax.random.split(step_key, move.shape[0]))
@@ -289,7 +290,7 @@ def test_search_over_the_true_model_beats_random_play_with_an_untrained_network(
             key = jax.random.PRNGKey(4)
             return game2048.play_games(ENV, player, key, num_games=48, max_moves=5_000)[0].mean()
 
-        return mean_score(agent), mean_score(game2048.random_player)
+        return mean_score(agent), mean_score(random_player)
 
     searched, random = map(float, scores())
     assert searched > 1.5 * random, (searched, random)

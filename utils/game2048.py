@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from utils.board_eval import random_player
 from utils.devices import device_mean
 
 NUM_CELLS = 16
@@ -103,12 +104,6 @@ def board_of(obs):
 # ---------------------------------------------------------------------------------------------
 # Players and evaluation
 # ---------------------------------------------------------------------------------------------
-
-
-def random_player(games, key):
-    """A uniformly random legal move for each of the games [B]."""
-    logits = jnp.where(games.legal_action_mask, 0.0, -jnp.inf)
-    return jax.random.categorical(key, logits)
 
 
 def expectimax_value(board, depth: int):
