@@ -790,19 +790,24 @@ def buffer_sample(buffer: ReplayBuffer, key, batch_size: int):
     )
 
 
+def weighted_mean(losses, weights):
+    """The mean of per-sample losses [B] over the samples that `weights` [B] keep (0 while no
+    sample is kept)."""
+    return jnp.sum(weights * losses) / jnp.maximum(weights.sum(), 1.0)
+
+
 def policy_loss_of(logits, legal, policy_target, weights):
     """Policy cross-entropy against the search's action weights (illegal moves excluded),
     averaged with `weights` [B]."""
     log_probs = jax.nn.log_softmax(masked_logits(logits, legal))
     cross_entropy = -jnp.sum(jnp.where(legal, policy_target * log_probs, 0.0), axis=-1)
-    return jnp.sum(weights * cross_entropy) / jnp.maximum(weights.sum(), 1.0)
+    return weighted_mean(cross_entropy, weights)
 
 
 def az_loss(logits, value, legal, policy_target, value_target, weights):
     """`policy_loss_of` and the value's mean squared error; `weights` mask samples. Returns
     (policy_loss, value_loss)."""
-    count = jnp.maximum(weights.sum(), 1.0)
-    value_loss = jnp.sum(weights * jnp.square(value - value_target)) / count
+    value_loss = weighted_mean(jnp.square(value - value_target), weights)
     return policy_loss_of(logits, legal, policy_target, weights), value_loss
 
 
@@ -810,7 +815,7 @@ def categorical_value_loss(value_logits, value_target, weights):
     """Cross-entropy of value logits [B, VALUE_BINS] against the two-hot encoding of the
     targets [B], averaged with `weights` [B]."""
     cross_entropy = -jnp.sum(two_hot(value_target) * jax.nn.log_softmax(value_logits), axis=-1)
-    return jnp.sum(weights * cross_entropy) / jnp.maximum(weights.sum(), 1.0)
+    return weighted_mean(cross_entropy, weights)
 
 
 def board_loss(apply, batch: Position, obs, legal, policy, action, targets, weights, gamma):
