@@ -12,9 +12,9 @@ from pathlib import Path
 import gymnax
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 from gymnax.environments.classic_control import cartpole
 
+from utils import checkpoint
 from utils.devices import DEVICE_AXIS, xla_flags_with, xla_flags_with_cpu_devices
 
 REPO = Path(__file__).resolve().parent.parent
@@ -121,9 +121,10 @@ def summary_of_only_run(runs_dir: Path) -> dict:
 
 def checkpoint_leaves(run_dir) -> dict[str, np.ndarray]:
     """All arrays of the latest checkpoint in a run directory, by leaf index."""
-    checkpoints = sorted((Path(run_dir) / "checkpoints").glob("update_*"))
-    assert checkpoints, f"no checkpoint in {run_dir}"
-    return ocp.PyTreeCheckpointer().restore(str(checkpoints[-1].resolve()))["leaves"]
+    directory = os.path.join(run_dir, "checkpoints")
+    assert checkpoint.updates(directory), f"no checkpoint in {run_dir}"
+    leaves, _ = checkpoint.read(directory)
+    return {f"{i:05d}": leaf for i, leaf in enumerate(leaves)}
 
 
 def checkpoint_state(trainer_module, run_dir):

@@ -257,17 +257,51 @@ def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, monkeypatch):
     np.testing.assert_array_equal(metric_table(uninterrupted, 0), metric_table(interrupted, 0))
 
 
+def test_checkpoint_reads_back_every_dtype_and_the_orbax_format_of_earlier_versions(tmp_path):
+    state = {
+        "w": np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3),
+        "h": jnp.arange(4, dtype=jnp.bfloat16) / 3,
+        "key": np.asarray(jax.random.PRNGKey(7)),
+        "done": np.array([True, False]),
+        "count": np.int64(12),
+    }
+    meta = {"update": 5, "train_seconds": 1.25}
+    checkpoint.save(str(tmp_path / "npz"), 5, state, meta)
+    restored, read_meta = checkpoint.restore(str(tmp_path / "npz"), state)
+    assert read_meta == meta
+    for name, leaf in state.items():
+        assert restored[name].dtype == np.asarray(leaf).dtype, name
+        np.testing.assert_array_equal(restored[name], np.asarray(leaf))
+
+    # A run directory of an earlier version, written with orbax, resumes after an upgrade.
+    import orbax.checkpoint as ocp
+
+    leaves = jax.tree.leaves(jax.device_get(state))
+    tree = {
+        "leaves": {f"{i:05d}": np.asarray(leaf) for i, leaf in enumerate(leaves)},
+        "meta": {k: np.asarray(v) for k, v in meta.items()},
+    }
+    ocp.PyTreeCheckpointer().save(str(tmp_path / "orbax" / "update_00000005"), tree)
+    restored, read_meta = checkpoint.restore(str(tmp_path / "orbax"), state)
+    assert read_meta == meta
+    for name, leaf in state.items():
+        np.testing.assert_array_equal(restored[name], np.asarray(leaf))
+
+
 def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):
     state = {"w": np.arange(3.0)}
     checkpoint.save(str(tmp_path), 1, state, {"update": 1})
 
-    def crash(self, path, *args, **kwargs):
-        os.makedirs(str(path) + ".orbax-checkpoint-tmp-0")  # a half-written directory
-        raise OSError("disk full")
+    real_savez = np.savez
 
-    monkeypatch.setattr(checkpoint.ocp.Checkpointer, "save", crash)
-    with pytest.raises(OSError):
+    def crash(file, **arrays):
+        real_savez(file, **{k: v for k, v in list(arrays.items())[:1]})  # half written
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint.np, "savez", crash)
+    with pytest.raises(OSError, match=r"No space left on device.*update_00000002"):
         checkpoint.save(str(tmp_path), 2, {"w": np.zeros(3)}, {"update": 2})
+    assert os.listdir(tmp_path) == ["update_00000001"]  # nothing half-written is left
     assert checkpoint.latest_update(str(tmp_path)) == 1
     restored, meta = checkpoint.restore(str(tmp_path), state)
     np.testing.assert_array_equal(restored["w"], np.arange(3.0))
@@ -575,20 +609,17 @@ def failing_open(name: str, on_call: int = 1):
     return fake_open
 
 
-def tensorstore_disk_full_on_call(on_call: int):
-    """Orbax's save, whose `on_call`-th call fails as tensorstore reports a full disk."""
-    real, calls = checkpoint.ocp.Checkpointer.save, []
+def checkpoint_disk_full_on_call(on_call: int):
+    """The checkpoint's archive writer, whose `on_call`-th call fails as a full disk does."""
+    real, calls = np.savez, []
 
-    def save(self, *args, **kwargs):
+    def savez(*args, **kwargs):
         calls.append(None)
         if len(calls) == on_call:
-            raise ValueError(
-                'RESOURCE_EXHAUSTED: Error writing "leaves.00002/0.0.0" in OCDBT database: Failed '
-                "to write 80158 bytes to file 15: No space left on device [os_error_code='28']"
-            )
-        return real(self, *args, **kwargs)
+            disk_full()
+        return real(*args, **kwargs)
 
-    return save
+    return savez
 
 
 @pytest.mark.parametrize(
@@ -611,7 +642,7 @@ def test_a_failed_write_is_one_sentence_exit_1_and_the_run_resumes(
         elif path == "learning_curve.png":
             patch.setattr(driver, "plot_learning_curve", disk_full)
         else:
-            patch.setattr(checkpoint.ocp.Checkpointer, "save", tensorstore_disk_full_on_call(3))
+            patch.setattr(checkpoint.np, "savez", checkpoint_disk_full_on_call(3))
         with pytest.raises(OutputError) as error:  # the command line: one line, exit 1
             train(tmp_path, updates_per_chunk=2)
     run_dir = only_run_dir(tmp_path / "runs")
@@ -627,7 +658,7 @@ def test_a_failed_write_is_one_sentence_exit_1_and_the_run_resumes(
 
 
 # A stub run whose files may not grow past 64 KiB (setrlimit, as a full disk does to a
-# checkpoint of 200 KB, but unprivileged): its first checkpoint fails inside tensorstore.
+# checkpoint of 200 KB, but unprivileged): its first checkpoint fails part way.
 CHECKPOINT_TOO_LARGE = """
 import resource, signal, sys
 from tests.test_driver import StubConfig, make_stub, stub_validate
@@ -645,9 +676,9 @@ with exit_on_config_error():
 """
 
 
-def test_a_checkpoint_that_cannot_be_written_is_one_sentence_not_orbax_tracebacks(tmp_path):
-    """Orbax's threads log the failure, and tensorstore's callbacks report 'Event loop is
-    closed' many times over; the driver reports it once."""
+def test_a_checkpoint_that_cannot_be_written_is_one_sentence(tmp_path):
+    """A file that hits the size limit mid-write: one line naming the checkpoint, no
+    traceback, and no half-written directory left behind."""
     result = run_script("-c", CHECKPOINT_TOO_LARGE, str(tmp_path / "runs"))
     assert result.returncode == 1, result.stderr[-3000:]
     run_dir = only_run_dir(tmp_path / "runs")
@@ -655,6 +686,7 @@ def test_a_checkpoint_that_cannot_be_written_is_one_sentence_not_orbax_traceback
         f"error: could not write {run_dir}/checkpoints/update_00000004: File too large; "
         f"{run_dir} has no checkpoint yet: --resume {run_dir} starts it over"
     ]
+    assert not os.listdir(run_dir / "checkpoints")  # nothing half-written is left
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")

@@ -200,16 +200,39 @@ def test_ppo_stopped_between_chunks_then_in_the_final_report_resumes_to_the_same
     assert_same_run(run_dir, uninterrupted("ppo", tmp_path / "uninterrupted"))
 
 
-def test_dqn_stopped_during_a_checkpoint_write_resumes_to_the_uninterrupted_run(tmp_path, launch):
-    """SIGTERM while orbax writes a checkpoint: the write finishes, the checkpoint reads back,
+# The DQN command line, whose second checkpoint write is interrupted by a SIGTERM to itself: the
+# signal arrives after the write has begun and before it has renamed the finished checkpoint.
+SIGTERM_DURING_THE_SECOND_WRITE = """
+import os, signal, sys
+import purejaxrl_dqn
+from utils import checkpoint
+
+real_write, calls = checkpoint._write, []
+
+def write(path, arrays):
+    calls.append(path)
+    if len(calls) == 2:
+        os.kill(os.getpid(), signal.SIGTERM)
+    real_write(path, arrays)
+
+checkpoint._write = write
+sys.argv = sys.argv[1:]  # the script and its flags
+purejaxrl_dqn.main()
+"""
+
+
+def test_dqn_stopped_during_a_checkpoint_write_resumes_to_the_uninterrupted_run(tmp_path):
+    """SIGTERM while a checkpoint is written: the write finishes, the checkpoint reads back,
     and the replay buffer in it resumes exactly."""
-    process = launch(*command("dqn", "--runs-dir", str(tmp_path / "stopped")))
-    wait_for(process, f"{tmp_path}/stopped/*/checkpoints/*.orbax-checkpoint-tmp*")
-    lines = stopped(process, signal.SIGTERM)
-    assert lines[0] == notice(signal.SIGTERM) and len(lines) == 2
+    result = run_script(
+        "-c", SIGTERM_DURING_THE_SECOND_WRITE, *command("dqn", "--runs-dir", str(tmp_path))
+    )
+    assert result.returncode == 130, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert lines[0] == notice(signal.SIGTERM) and len(lines) == 2, lines
+    assert "interrupted after update 8; continue with --resume " in lines[1]
     run_dir = resume_dir(lines[1])
-    update = int(lines[1].split("after update ")[1].split(";")[0])
-    assert 4 <= update < 32
+    assert os.listdir(os.path.join(run_dir, "checkpoints")) == ["update_00000008"]
     assert checkpoint_leaves(run_dir)  # readable
     resumed = run_script("purejaxrl_dqn.py", "--resume", run_dir, "--no-progress")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
