@@ -504,16 +504,30 @@ def start_or_resume(plan: RunPlan, clock: _Clock):
 
 
 class _ChunkRunner:
-    """`train_chunk` compiled once per chunk length, as pmap(vmap(chunk)) over the runs."""
+    """`train_chunk` compiled once per chunk length, as pmap(vmap(chunk)) over the runs. The
+    same program checks the divergence guard's state (`_state_finite`), so that the check
+    costs neither a compilation nor a dispatch of its own."""
 
     def __init__(self, plan: RunPlan, clock: _Clock):
         self.plan, self.clock, self.compiled = plan, clock, {}
+        trainer = plan.trainer
+        self.check_state = trainer.guarded_state is not None and not plan.config.allow_nonfinite
+
+    def _program(self, num_updates: int) -> Callable:
+        trainer = self.plan.trainer
+
+        def chunk_and_check(state):
+            state, metrics = trainer.train_chunk(state, num_updates=num_updates)
+            finite = _state_finite(trainer.guarded_state(state)) if self.check_state else True
+            return state, metrics, jnp.asarray(finite)
+
+        return jax.pmap(_over_runs(chunk_and_check, self.plan.num_runs), axis_name=DEVICE_AXIS)
 
     def __call__(self, state, num_updates: int):
+        """(new state, metrics {name: [runs, updates]}, each run's guarded state finite [runs])."""
         if num_updates not in self.compiled:
-            chunk = functools.partial(self.plan.trainer.train_chunk, num_updates=num_updates)
             start = time.perf_counter()
-            pmapped = jax.pmap(_over_runs(chunk, self.plan.num_runs), axis_name=DEVICE_AXIS)
+            pmapped = self._program(num_updates)
             compiled = pmapped.lower(state).compile()
             self.clock.compile_seconds += time.perf_counter() - start
             interrupts.check()  # a stop asked for while compiling: before the chunk runs
@@ -521,11 +535,18 @@ class _ChunkRunner:
             # function converts this process's arrays and reuses the compilation.
             self.compiled[num_updates] = pmapped if self.plan.multi_process else compiled
         start = time.perf_counter()
-        state, metrics = self.compiled[num_updates](state)
-        metrics = {k: np.asarray(v[0]) for k, v in jax.device_get(metrics).items()}
+        state, metrics, finite = self.compiled[num_updates](state)
+        metrics, finite = jax.device_get((metrics, finite))
+        metrics = {k: np.asarray(v[0]) for k, v in metrics.items()}
         self.clock.train_seconds += time.perf_counter() - start
         check_chunk_metrics(metrics, num_updates, self.plan.trainer.guarded_metrics)
-        return state, metrics
+        return state, metrics, np.asarray(finite[0])
+
+
+def _state_finite(guarded) -> jax.Array:
+    """Whether every floating-point leaf of `guarded` is finite: a scalar boolean."""
+    floats = [x for x in jax.tree.leaves(guarded) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in floats or [jnp.zeros(())]]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -545,58 +566,42 @@ class Divergence:
         return f"{self.metric} is {self.value} at update {self.update}"
 
 
-class _DivergenceGuard:
+def _divergence(
+    plan: RunPlan, finite_state: np.ndarray, metrics: dict, first_update: int
+) -> Divergence | None:
     """After each chunk, on the host: where the first run diverged, or None. A run has diverged
     when a floating-point leaf of its guarded state (parameters, optimiser state) is NaN or inf
-    at the chunk's end, or when a guarded metric (a loss) is NaN or inf from some update to the
-    chunk's end after a finite value: a diverged run does not recover. A guarded metric that is
-    NaN from the chunk's start while the state is finite has nothing to report yet (DQN's loss
-    before learning starts). The state's check is one small compiled reduction per chunk, with
-    one boolean per device and run for the host."""
-
-    def __init__(self, plan: RunPlan):
-        self.plan, self.state_finite = plan, None
-        if plan.trainer.guarded_state is not None:
-            finite = _over_runs(self._finite, plan.num_runs)
-            self.state_finite = jax.pmap(finite, axis_name=DEVICE_AXIS)
-
-    def _finite(self, state):
-        leaves = jax.tree.leaves(self.plan.trainer.guarded_state(state))
-        floats = [x for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)]
-        return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in floats or [jnp.zeros(())]]))
-
-    def __call__(self, state, metrics: dict, first_update: int) -> Divergence | None:
-        names = self.plan.trainer.guarded_metrics
-        last_update = first_update + next(iter(metrics.values())).shape[1] - 1
-        finite_state = np.ones(self.plan.num_runs, bool)
-        if self.state_finite is not None:
-            finite_state = jax.device_get(self.state_finite(state))[0]
-        # (update, run, metric's order) sorts the first divergence first
-        found = [
-            (last_update, run, len(names), "parameters", "")
-            for run in np.flatnonzero(~finite_state)
-        ]
-        for order, name in enumerate(names):
-            for run, values in enumerate(metrics[name]):
-                finite = np.flatnonzero(np.isfinite(values))
-                start = finite[-1] + 1 if finite.size else 0
-                if start < len(values) and (start > 0 or not finite_state[run]):
-                    found.append((first_update + int(start), run, order, name, str(values[start])))
-        if not found:
-            return None
-        update, run, _, metric, value = min(found)
-        return Divergence(metric, value, int(update), int(run), last_update)
+    at the chunk's end (`finite_state` [runs], from the chunk's own program), or when a guarded
+    metric (a loss) is NaN or inf from some update to the chunk's end after a finite value: a
+    diverged run does not recover. A guarded metric that is NaN from the chunk's start while
+    the state is finite has nothing to report yet (DQN's loss before learning starts)."""
+    names = plan.trainer.guarded_metrics
+    last_update = first_update + next(iter(metrics.values())).shape[1] - 1
+    # (update, run, metric's order) sorts the first divergence first
+    found = [
+        (last_update, run, len(names), "parameters", "") for run in np.flatnonzero(~finite_state)
+    ]
+    for order, name in enumerate(names):
+        for run, values in enumerate(metrics[name]):
+            finite = np.flatnonzero(np.isfinite(values))
+            start = finite[-1] + 1 if finite.size else 0
+            if start < len(values) and (start > 0 or not finite_state[run]):
+                found.append((first_update + int(start), run, order, name, str(values[start])))
+    if not found:
+        return None
+    update, run, _, metric, value = min(found)
+    return Divergence(metric, value, int(update), int(run), last_update)
 
 
 def train_in_chunks(plan: RunPlan, state, start_update: int, clock: _Clock, wandb_sink):
     """Train to the last update, one compiled chunk at a time. After each chunk, and only there,
     process 0 appends to metrics.csv and wandb, writes records and saves a checkpoint; a stop
     signal takes effect there too (utils/interrupts.py). A chunk in which a run diverged
-    (_DivergenceGuard; off with --allow-nonfinite) is logged but not kept: training stops at the
+    (`_divergence`; off with --allow-nonfinite) is logged but not kept: training stops at the
     last finite state. Returns (that state, the Divergence or None)."""
     trainer, is_main = plan.trainer, plan.is_main
     run_chunk = _ChunkRunner(plan, clock)
-    guard = None if plan.config.allow_nonfinite else _DivergenceGuard(plan)
+    guarded = not plan.config.allow_nonfinite
     divergence = None
     metrics_csv = None
     progress = _Progress(
@@ -607,11 +612,11 @@ def train_in_chunks(plan: RunPlan, state, start_update: int, clock: _Clock, wand
         while update < trainer.num_updates:
             interrupts.check()
             num_updates = min(plan.chunk_len, trainer.num_updates - update)
-            new_state, metrics = run_chunk(state, num_updates)
+            new_state, metrics, finite_state = run_chunk(state, num_updates)
             # the first run's records
             records = {k: metrics.pop(k)[0] for k in list(metrics) if k.startswith("record_")}
             first_update = update + 1
-            divergence = guard(new_state, metrics, first_update) if guard else None
+            divergence = _divergence(plan, finite_state, metrics, first_update) if guarded else None
             with interrupts.held():  # logs and checkpoint of a chunk land together
                 if is_main:
                     if metrics_csv is None:
