@@ -42,6 +42,16 @@ def available_cores() -> int:
     return os.cpu_count() or 1
 
 
+def compile_for_one_call(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
+    """Compile a program that runs once per run (the initial state, the evaluation after
+    training). On CPU it compiles at LLVM optimisation level 0: about twice as fast (PPO
+    CartPole's initialisation: 0.5 s against 1.0-1.6 s), while the program runs for
+    milliseconds. Its floating-point results may differ from level 3's in the last bit."""
+    if jax.default_backend() != "cpu":
+        return lowered.compile()
+    return lowered.compile(compiler_options={"xla_backend_optimization_level": 0})
+
+
 def unroll_threefry_on_cpu(unrolled: bool = True) -> None:
     """Lower JAX's threefry random-number hash on CPU as straight-line code (`unrolled`), the
     form JAX uses on GPU and TPU, instead of the five-round loop it emits on CPU to save compile

@@ -40,6 +40,7 @@ from utils import checkpoint, interrupts
 from utils.cli import EVAL_SIZE_FIELDS
 from utils.devices import (
     DEVICE_AXIS,
+    compile_for_one_call,
     process_group,
     resolve_num_devices,
     split_cpu_host,
@@ -489,8 +490,10 @@ def start_or_resume(plan: RunPlan, clock: _Clock):
         lambda keys, hyperparams: jax.lax.map(lambda run: trainer.init(*run), (keys, hyperparams)),
         axis_name=DEVICE_AXIS,
     )
-    state = init_runs(*on_every_device((plan.run_keys, plan.run_hyperparams)))
-    state = jax.block_until_ready(state)
+    args = on_every_device((plan.run_keys, plan.run_hyperparams))
+    if not plan.multi_process:  # a compiled pmap takes global arrays only
+        init_runs = compile_for_one_call(init_runs.lower(*args))
+    state = jax.block_until_ready(init_runs(*args))
     clock.compile_seconds += time.perf_counter() - start
     if plan.config.resume is None:
         return state, 0
@@ -695,7 +698,9 @@ def _evaluate_final(plan: RunPlan, state, clock: _Clock) -> np.ndarray | None:
     first_device_state = jax.tree.map(lambda x: x[0], state)
     eval_keys = _evaluation_keys(plan)
     start = time.perf_counter()
-    evaluate = jax.jit(jax.vmap(trainer.evaluate)).lower(first_device_state, eval_keys).compile()
+    evaluate = compile_for_one_call(
+        jax.jit(jax.vmap(trainer.evaluate)).lower(first_device_state, eval_keys)
+    )
     clock.compile_seconds += time.perf_counter() - start
     return np.asarray(evaluate(first_device_state, eval_keys))
 
