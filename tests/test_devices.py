@@ -1,5 +1,6 @@
 """Device helpers that change how programs are built, never what they compute."""
 
+import json
 import os
 import sys
 
@@ -7,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from tests.helpers import run_script
+from tests.helpers import TINY_PPO, run_script
 from utils.devices import (
     DEVICE_AXIS,
     device_mean,
@@ -56,21 +57,29 @@ def test_a_process_not_started_as_a_script_is_never_restarted():
     split_cpu_host(0)  # nothing to change: no restart, no error
 
 
-def test_compiled_programs_go_to_the_per_user_cache_unless_turned_off(tiny_ppo_args, tmp_path):
-    """Without $JAX_COMPILATION_CACHE_DIR, a run caches its programs under $XDG_CACHE_HOME;
-    --no-compile-cache writes none."""
-    for flags, cache_home in (([], tmp_path / "on"), (["--no-compile-cache"], tmp_path / "off")):
+def test_compiled_programs_go_to_the_per_user_cache_unless_turned_off(tmp_path):
+    """Without $JAX_COMPILATION_CACHE_DIR, a run caches its programs under $XDG_CACHE_HOME, and
+    the same command in a fresh process loads them instead of compiling: what remains of its
+    compile time is tracing and lowering. --no-compile-cache writes none."""
+
+    def compile_seconds(cache_home, *flags) -> float:
+        runs_dir = tmp_path / "runs" / str(len(list(tmp_path.glob("runs/*"))))
         result = run_script(
             "purejaxrl_ppo.py",
-            *tiny_ppo_args,
-            "--eval-episodes",
-            "0",
+            *["--env", "CartPole", *TINY_PPO, "--no-progress", "--runs-dir", str(runs_dir)],
             *flags,
             env_extra={"JAX_COMPILATION_CACHE_DIR": "", "XDG_CACHE_HOME": str(cache_home)},
         )
         assert result.returncode == 0, result.stderr[-2000:]
+        (summary,) = runs_dir.glob("*/summary.json")
+        return json.loads(summary.read_text())["compile_seconds"]
+
+    first = compile_seconds(tmp_path / "on")
     cache = tmp_path / "on" / "purejaxrl" / "jax"
     assert any(name.startswith("jit_") for name in os.listdir(cache))
+    second = compile_seconds(tmp_path / "on")
+    assert second < 0.5 * first, (first, second)
+    compile_seconds(tmp_path / "off", "--no-compile-cache")
     assert not (tmp_path / "off" / "purejaxrl").exists()
 
 
