@@ -27,10 +27,11 @@ meets the threshold: with compilation, from the start of the run (ours: from `ru
 so flag parsing, building, compiling, training, logs and checkpoints), and without it. Ours
 reads its chunk ends from summary.json's "chunk_ends" and its scores from metrics.csv; the
 anchors are checked between their chunks, never inside one. Neither side uses a persistent
-compilation cache, so every seed compiles from scratch. Each seed runs ours and the anchor
-one after the other, the first of the two alternating from seed to seed, so that a machine's
-drifting speed hits both. PPO and DQN run on one device, as ours does by default; AlphaZero on
-the host split into one CPU device per core (`--cpu-devices`), our command line's default.
+compilation cache, and JAX's in-memory caches are cleared before each side of each seed, so
+every seed compiles from scratch. Each seed runs ours and the anchor one after the other, the
+first of the two alternating from seed to seed, so that a machine's drifting speed hits both.
+PPO and DQN run on one device, as ours does by default; AlphaZero on the host split into one
+CPU device per core (`--cpu-devices`), our command line's default.
 """
 
 from __future__ import annotations
@@ -350,6 +351,7 @@ def crossing(reached: bool, wall: float, compile_seconds: float, steps: int) -> 
 
 def anchor_time(workload: Workload, seed: int, smoke: bool, threshold: float) -> dict:
     """Run the anchor chunk by chunk until its evaluator meets the threshold."""
+    jax.clear_caches()  # it compiles from scratch, as a fresh process would
     start = time.perf_counter()
     chunk = None
     for chunk in workload.anchor(jax.random.PRNGKey(seed), smoke):
@@ -376,6 +378,7 @@ def chunk_value(workload: Workload, rows: dict) -> float:
 def ours_time(workload: Workload, seed: int, args: Args, runs_dir: str, threshold: float) -> dict:
     """Run our trainer through the driver at its preset, then find the first chunk whose
     value meets the threshold."""
+    jax.clear_caches()  # it compiles from scratch, as a fresh process would
     trainer = workload.trainer
     flags = workload.smoke_flags if args.smoke else workload.flags
     cli = [*flags.split(), "--seed", str(seed), "--runs-dir", runs_dir, "--no-progress"]
