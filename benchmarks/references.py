@@ -102,6 +102,21 @@ def flat(obs):
     return obs.reshape(obs.shape[0], -1)
 
 
+def reference_gae(values, rewards, dones, last_value, s: PPOSettings):
+    """PureJaxRL's GAE over a rollout [T, E]: (advantages, value targets)."""
+
+    def backward(carry, step):
+        advantage, next_value = carry
+        value, reward, done = step
+        delta = reward + s.gamma * next_value * (1 - done) - value
+        advantage = delta + s.gamma * s.gae_lambda * (1 - done) * advantage
+        return (advantage, value), advantage
+
+    init = (jnp.zeros_like(last_value), last_value)
+    _, advantages = jax.lax.scan(backward, init, (values, rewards, dones), reverse=True, unroll=16)
+    return advantages, advantages + values
+
+
 def reference_ppo(env_name: str, settings: PPOSettings) -> ReferenceLoop:
     """PureJaxRL's PPO: rollout of num_envs x num_steps, GAE, then update_epochs epochs of
     num_minibatches shuffled minibatches of clipped-surrogate Adam steps, the learning rate
@@ -143,20 +158,6 @@ def reference_ppo(env_name: str, settings: PPOSettings) -> ReferenceLoop:
         step = (obs, action, log_prob, value, reward, done)
         return (params, env_state, next_obs, key), (step, ended_episodes(done, info))
 
-    def gae(values, rewards, dones, last_value):
-        def backward(carry, step):
-            advantage, next_value = carry
-            value, reward, done = step
-            delta = reward + s.gamma * next_value * (1 - done) - value
-            advantage = delta + s.gamma * s.gae_lambda * (1 - done) * advantage
-            return (advantage, value), advantage
-
-        init = (jnp.zeros_like(last_value), last_value)
-        _, advantages = jax.lax.scan(
-            backward, init, (values, rewards, dones), reverse=True, unroll=16
-        )
-        return advantages, advantages + values
-
     def loss(params, batch):
         obs, action, old_log_prob, old_value, advantage, target = batch
         logits, value = network.apply(params, obs)
@@ -195,7 +196,7 @@ def reference_ppo(env_name: str, settings: PPOSettings) -> ReferenceLoop:
         )
         step_obs, action, log_prob, value, reward, done = steps
         _, last_value = network.apply(params, flat(obs))
-        advantages, targets = gae(value, reward, done, last_value)
+        advantages, targets = reference_gae(value, reward, done, last_value, s)
         batch = (step_obs, action, log_prob, value, advantages, targets)
         batch = jax.tree.map(lambda x: x.reshape(batch_size, *x.shape[2:]), batch)
         (params, opt_state, _, key), _ = jax.lax.scan(
