@@ -7,8 +7,6 @@ import pytest
 from tests.helpers import LLVM_LEVEL_FLAG, TINY_PPO
 from utils.devices import xla_flags_with
 
-_EIGEN_THREADS_FLAG = "--xla_cpu_multi_thread_eigen"
-
 # Tests never talk to wandb's servers.
 os.environ.setdefault("WANDB_MODE", "disabled")
 
@@ -31,14 +29,6 @@ os.environ["HYPOTHESIS_STORAGE_DIRECTORY"] = os.path.join(os.environ[_CACHE_VARI
 # level 0. The timings are in docs/benchmarks.md, "Test suite".
 if LLVM_LEVEL_FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = xla_flags_with(LLVM_LEVEL_FLAG, 0)
-
-# XLA:CPU's Eigen thread pool has been seen to wedge in this suite: every pool thread idle, a
-# test waiting forever on its first result (np.asarray of jax.random.PRNGKey, after the
-# worker's earlier tests). The suite runs Eigen's matmuls on the calling thread instead, so that
-# no program waits on that pool; with one xdist worker per core, its second thread had no idle
-# core to run on anyway.
-if _EIGEN_THREADS_FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = xla_flags_with(_EIGEN_THREADS_FLAG, "false")
 
 
 def pytest_configure(config):
