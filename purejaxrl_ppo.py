@@ -36,7 +36,7 @@ from utils.driver import run_training
 from utils.envs import env_spec, episode_metrics, make_env
 from utils.errors import ConfigError
 from utils.evaluation import Policy, evaluate_policy
-from utils.layers import Conv3x3
+from utils.layers import Conv3x3, orthogonal
 from utils.trainer import Runtime, Trainer, hyperparams_of
 
 
@@ -250,7 +250,6 @@ class ActorCritic(nn.Module):
 
     def setup(self):
         activation = nn.tanh if self.activation == "tanh" else nn.relu
-        orthogonal = nn.initializers.orthogonal
 
         def network(out_size, out_scale):
             layers = []
@@ -296,7 +295,9 @@ class ResettingGRU(nn.Module):
             return cell(jnp.where(start[:, None], 0.0, carry), x)
 
         scan = nn.scan(_step, variable_broadcast="params", split_rngs={"params": False})
-        return scan(nn.GRUCell(self.features), carry, (xs, starts))
+        return scan(
+            nn.GRUCell(self.features, recurrent_kernel_init=orthogonal()), carry, (xs, starts)
+        )
 
 
 class RecurrentActorCritic(nn.Module):
@@ -318,7 +319,6 @@ class RecurrentActorCritic(nn.Module):
         """obs [T, B, *obs_shape] with starts [T, B] (True where obs begins an episode), from
         `memory` [B, H] before obs[0] -> (memory after obs[-1], policy [T, B], value [T, B])."""
         activation = nn.tanh if self.activation == "tanh" else nn.relu
-        orthogonal = nn.initializers.orthogonal
         x = obs
         if self.torso == "cnn":
             x = activation(Conv3x3(16, kernel_init=orthogonal(np.sqrt(2)))(x))

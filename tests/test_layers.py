@@ -5,7 +5,8 @@ import jax
 import numpy as np
 import pytest
 
-from utils.layers import Conv3x3
+import purejaxrl_ppo
+from utils.layers import Conv3x3, orthogonal
 
 
 @pytest.mark.parametrize("method", ["matmul", "xla", "dense"])
@@ -46,3 +47,44 @@ def test_conv3x3_dense_gradient_equals_flax_conv():
 def test_conv3x3_unknown_method():
     with pytest.raises(ValueError, match="matmul, dense or xla"):
         Conv3x3(8, method="fft").init(jax.random.PRNGKey(0), np.zeros((1, 3, 3, 2)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Orthogonal initialisation under vmap
+# ---------------------------------------------------------------------------------------------
+
+
+def qr_operand_shapes(jaxpr) -> list[tuple[int, ...]]:
+    """The operand shapes of every QR decomposition in a jaxpr, its sub-jaxprs included."""
+    shapes = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "qr":
+            shapes.append(eqn.invars[0].aval.shape)
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, list | tuple) else [param]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    shapes += qr_operand_shapes(inner)
+    return shapes
+
+
+@pytest.mark.parametrize("memory", ["none", "gru"])
+def test_ppo_trained_as_purejaxrl_does_never_batches_a_qr(memory):
+    """`jax.jit(jax.vmap(train))` over seeds: every orthogonal initialisation's QR is one
+    matrix, since XLA:CPU's batched QR deadlocked a 2-core host. flax's own initialiser, the
+    control, batches it."""
+    trainer = purejaxrl_ppo.make_train(purejaxrl_ppo.Config(memory=memory, num_minibatches=2))
+    keys = jax.random.split(jax.random.PRNGKey(0), 2)
+    shapes = qr_operand_shapes(jax.make_jaxpr(jax.vmap(trainer.train))(keys).jaxpr)
+    assert shapes and all(len(shape) == 2 for shape in shapes), shapes
+    flax_init = nn.initializers.orthogonal()
+    control = jax.make_jaxpr(jax.vmap(lambda key: flax_init(key, (4, 64))))(keys).jaxpr
+    assert qr_operand_shapes(control) == [(2, 64, 4)]
+
+
+def test_orthogonal_draws_flaxs_numbers_one_matrix_at_a_time():
+    keys = jax.random.split(jax.random.PRNGKey(3), 3)
+    for shape, scale in (((4, 64), np.sqrt(2)), ((64, 2), 0.01), ((3, 3, 2, 16), 1.0)):
+        ours = jax.vmap(lambda key, s=shape, c=scale: orthogonal(c)(key, s))(keys)
+        flax = jax.vmap(lambda key, s=shape, c=scale: nn.initializers.orthogonal(c)(key, s))(keys)
+        np.testing.assert_array_equal(ours, flax)

@@ -1,9 +1,24 @@
-"""Layers that compute what a standard flax layer computes, only faster where it matters."""
+"""Layers and initialisers that compute what flax's compute, only faster or safer where it
+matters."""
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+
+def orthogonal(scale: float = 1.0, column_axis: int = -1, dtype=jnp.float32):
+    """`nn.initializers.orthogonal`, the same numbers, with its QR decomposition never batched:
+    under `jax.vmap` (seeds in one program, PureJaxRL's `jax.jit(jax.vmap(train))`) the
+    matrices are drawn one after another. XLA:CPU runs a batched QR by spreading the matrices
+    over its intra-op thread pool and waiting for them from inside that pool, which deadlocked
+    a 2-core host: every pool thread waiting, the program never finishing."""
+    init = nn.initializers.orthogonal(scale, column_axis, dtype)
+
+    def orthogonal_init(key, shape, dtype=dtype):
+        return jax.custom_batching.sequential_vmap(lambda key: init(key, shape, dtype))(key)
+
+    return orthogonal_init
 
 
 class Conv3x3(nn.Module):
