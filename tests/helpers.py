@@ -72,11 +72,19 @@ LLVM_LEVEL_FLAG = "--xla_backend_optimization_level"
 
 def _script_env(devices=1, env_extra=None, llvm_level=None) -> dict:
     """The environment of a script run: fake CPU devices, the session's LLVM optimisation level
-    unless `llvm_level` names another."""
+    unless `llvm_level` names another. JAX's compilation cache key leaves XLA_FLAGS out, so a
+    run at another level gets a cache of its own: a program compiled at level 1 and loaded by
+    a level-0 process, next to that process's own level-0 programs, changed a 2048 search's
+    games (a mean score of 1,297 instead of 2,359)."""
     xla_flags = xla_flags_with_cpu_devices(devices)
+    environment = dict(os.environ)
     if llvm_level is not None:
         xla_flags = xla_flags_with(LLVM_LEVEL_FLAG, llvm_level, xla_flags)
-    return {**os.environ, "XLA_FLAGS": xla_flags, **(env_extra or {})}
+        if environment.get("JAX_COMPILATION_CACHE_DIR"):
+            environment["JAX_COMPILATION_CACHE_DIR"] = os.path.join(
+                environment["JAX_COMPILATION_CACHE_DIR"], f"llvm-level-{llvm_level}"
+            )
+    return {**environment, "XLA_FLAGS": xla_flags, **(env_extra or {})}
 
 
 def run_script(*args, devices=1, timeout=300, env_extra=None, llvm_level=None):
