@@ -73,9 +73,8 @@ LLVM_LEVEL_FLAG = "--xla_backend_optimization_level"
 def _script_env(devices=1, env_extra=None, llvm_level=None) -> dict:
     """The environment of a script run: fake CPU devices, the session's LLVM optimisation level
     unless `llvm_level` names another. JAX's compilation cache key leaves XLA_FLAGS out, so a
-    run at another level gets a cache of its own: a program compiled at level 1 and loaded by
-    a level-0 process, next to that process's own level-0 programs, changed a 2048 search's
-    games (a mean score of 1,297 instead of 2,359)."""
+    run at another level gets a cache of its own: a level-0 process that loaded programs
+    compiled at level 1, next to its own level-0 ones, played different 2048 games."""
     xla_flags = xla_flags_with_cpu_devices(devices)
     environment = dict(os.environ)
     if llvm_level is not None:

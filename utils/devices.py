@@ -44,9 +44,9 @@ def available_cores() -> int:
 
 def compile_for_one_call(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
     """Compile a program that runs once per run (the initial state, the evaluation after
-    training). On CPU it compiles at LLVM optimisation level 0: about twice as fast (PPO
-    CartPole's initialisation: 0.5 s against 1.0-1.6 s), while the program runs for
-    milliseconds. Its floating-point results may differ from level 3's in the last bit."""
+    training). On CPU it compiles at LLVM optimisation level 0, about twice as fast
+    (docs/benchmarks.md), while the program runs for milliseconds. Its floating-point results
+    may differ from level 3's in the last bit."""
     if jax.default_backend() != "cpu":
         return lowered.compile()
     return lowered.compile(compiler_options={"xla_backend_optimization_level": 0})
@@ -58,8 +58,8 @@ def unroll_threefry_on_cpu(unrolled: bool = True) -> None:
     time. The bits are the same; each random call becomes a few fused kernels instead of a
     loop of small ones. DQN on CartPole, which draws random numbers several times per small
     update, runs faster; PPO on CartPole and AlphaZero's self-play run slower, so their
-    trainers keep JAX's default (`Trainer.unrolled_threefry`). Compilation takes longer. The figures
-    are in docs/benchmarks.md. This uses JAX internals (pinned in requirements.txt;
+    trainers keep JAX's default (`Trainer.unrolled_threefry`). Compilation takes longer. The
+    figures are in docs/benchmarks.md. This uses JAX internals (pinned in requirements.txt;
     tests/test_devices.py checks them). It applies to programs lowered afterwards;
     `unrolled=False` restores JAX's CPU default."""
     from jax._src.interpreters import mlir
