@@ -43,6 +43,7 @@ TINY_DQN = [
     "--batch-size", "16",
     "--target-network-frequency", "64",
     "--n-step", "3",
+    "--exploration-fraction", "0.5",  # the golden runs keep their schedule when the preset moves
     "--hidden-sizes", "16", "16",
     "--updates-per-chunk", "8",
     "--eval-episodes", "2",
