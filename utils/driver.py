@@ -451,8 +451,14 @@ def plan_runs(config, make_train: Callable, validate: Callable) -> RunPlan:
     resume_update = None
     if config.resume is not None:
         run_dir, resume_update = config.resume, _check_resumable(config, trainer)
+    elif is_main:
+        # A stop signal from here on finds the directory, and a second one exits at once: the
+        # line that removes it is in place before the signal can see the directory.
+        with interrupts.held():
+            run_dir = _new_run_dir(config, trainer)
+            interrupts.exit_says(functools.partial(_remove_new_run, run_dir))
     else:
-        run_dir = _new_run_dir(config, trainer) if is_main else None
+        run_dir = None
     return RunPlan(
         config=config,
         trainer=trainer,
@@ -680,9 +686,14 @@ def _interrupted(plan: RunPlan) -> str:
     if update is not None:
         return f"interrupted after update {update}; continue with --resume {plan.run_dir}"
     if plan.config.resume is None:
-        shutil.rmtree(plan.run_dir, ignore_errors=True)
-        return f"interrupted before the first checkpoint; removed {plan.run_dir}"
+        return _remove_new_run(plan.run_dir)
     return "interrupted before the first checkpoint"
+
+
+def _remove_new_run(run_dir: str) -> str:
+    """A new run stopped before its first checkpoint leaves no directory behind."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return f"interrupted before the first checkpoint; removed {run_dir}"
 
 
 def _exit_interrupted(plan: RunPlan) -> None:
