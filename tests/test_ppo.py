@@ -1,9 +1,11 @@
 """PPO: GAE, truncation bootstrapping, the PPO loss and the action distributions against plain
-NumPy; the trainer without the driver, as PureJaxRL's users call it; one real update step watched
-from outside (its targets, continuous actions). Memory and normalisation are in
+NumPy; the trainer without the driver, as PureJaxRL's users call it; whole updates against
+PureJaxRL's PPO from the same state; one real update step watched from outside (its targets,
+continuous actions). Memory and normalisation are in
 tests/test_ppo_memory.py, runs through the driver in tests/test_ppo_runs.py."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +14,7 @@ import pytest
 from scipy import stats
 
 import purejaxrl_ppo
+from benchmarks.references import PPO_CARTPOLE, reference_ppo
 from purejaxrl_ppo import (
     ActorCritic,
     Categorical,
@@ -192,6 +195,51 @@ def test_max_grad_norm_0_turns_clipping_off():
 
 def network_of(config):
     return purejaxrl_ppo.make_network(config, env_spec(config.env))
+
+
+def test_updates_equal_purejaxrl_reference_updates_from_the_same_state():
+    """The whole update step (rollout, GAE, epochs of shuffled minibatches, clipped loss, Adam)
+    against PureJaxRL's PPO as benchmarks/references.py rebuilds it, both started from one
+    state (parameters, environments, key) at ppo.py's CartPole settings: they draw the same
+    random numbers and must end every update with the same parameters. The learning rate is
+    constant here, since ours anneals at every optimiser step and PureJaxRL once per update."""
+    settings = PPO_CARTPOLE._replace(total_timesteps=PPO_CARTPOLE.total_timesteps * 10**6)
+    loop = reference_ppo("CartPole", settings)  # ~1e9 updates: a constant rate in float32
+    config = purejaxrl_ppo.Config(anneal_lr=False, total_timesteps=3 * 512)
+    assert (config.num_envs, config.num_steps, config.learning_rate) == (4, 128, 2.5e-4)
+    trainer = purejaxrl_ppo.make_train(config)
+    on_device = functools.partial(jax.vmap, axis_name=DEVICE_AXIS)  # the device axis, size 1
+    state = on_device(trainer.init, in_axes=(0, None))(
+        jax.random.PRNGKey(7)[None], trainer.hyperparams
+    )
+    ours_update = jax.jit(on_device(lambda state: trainer.train_chunk(state, 1)))
+    anchor_update = jax.jit(loop.update)
+
+    def as_reference(params):
+        """Our actor and critic layers under the names of PureJaxRL's network."""
+        layers = params["params"]
+        names = [(net, f"layers_{i}") for net in ("actor", "critic") for i in (1, 3, 5)]
+        return {"params": {f"Dense_{k}": layers[net][i] for k, (net, i) in enumerate(names)}}
+
+    first = jax.tree.map(lambda x: x[0], state)
+    _, reference_opt_state, *_ = loop.init(jax.random.PRNGKey(0))  # zero Adam moments
+    carry = (as_reference(first.params), reference_opt_state, first.env_state, first.obs, first.key)
+    for _ in range(3):
+        state, metrics = ours_update(state)
+        carry, reference_metrics = anchor_update(carry, None)
+        ours = jax.tree.map(lambda x: x[0], state)
+        np.testing.assert_array_equal(ours.key, carry[4])  # the same random numbers drawn
+        np.testing.assert_array_equal(ours.obs, carry[3])  # the same episodes played
+        np.testing.assert_allclose(
+            np.nansum(metrics["episode_return"] * metrics["episodes"]),
+            reference_metrics["return_sum"],
+            rtol=1e-6,
+        )
+        jax.tree.map(
+            functools.partial(np.testing.assert_allclose, rtol=1e-4, atol=1e-6),
+            as_reference(ours.params),
+            carry[0],
+        )
 
 
 def test_update_step_bootstraps_truncations_from_the_final_observation(monkeypatch):
