@@ -51,13 +51,13 @@ class Config(EpisodeRunConfig):
     (xminigrid), brax:hopper / Hopper & co. (Brax). Each env family has its own preset defaults"""
     total_timesteps: int = 500_000
     """environment steps per seed (all devices together)"""
-    learning_rate: float = 2.5e-4
+    learning_rate: float = 4e-3
     """Adam learning rate"""
     anneal_lr: bool = True
     """decay the learning rate linearly to 0, at every optimiser step"""
-    num_envs: int = 4
+    num_envs: int = 16
     """parallel environments per seed, split across devices"""
-    num_steps: int = 128
+    num_steps: int = 32
     """steps per environment in each rollout"""
     gamma: float = 0.99
     """discount factor"""
@@ -95,7 +95,11 @@ class Config(EpisodeRunConfig):
     """divide rewards by the running std of the discounted return"""
 
 
-# Defaults per env family; any flag overrides them. "classic" is PureJaxRL's CartPole setting.
+# Defaults per env family; any flag overrides them. "classic" is PureJaxRL's CartPole setting
+# (ppo.py) with the same 512-step rollout as 16 envs x 32 steps instead of 4 x 128, which steps
+# faster on a CPU, and learning rate 4e-3 instead of 2.5e-4, which reached CartPole's and
+# Acrobot's thresholds in a third of the steps or less and, unlike PureJaxRL's, often solves
+# MountainCar. PureJaxRL's own: --num-envs 4 --num-steps 128 --learning-rate 2.5e-4.
 # "minatar" is PureJaxRL's MinAtar setting (64 envs x 128 steps, 8 minibatches, 2 x 64 relu
 # units) with half its learning rate and three times its entropy bonus: on Breakout its own
 # values stalled at 23-42, these ended past 75 in four of six runs (two stalled near 25). The

@@ -83,7 +83,7 @@ def test_resume_with_a_conflicting_flag_leaves_the_run_untouched(tiny_ppo_args):
     before = snapshot()
     result = run_script("purejaxrl_ppo.py", "--resume", run_dir, "--learning-rate", "0.1")
     assert result.returncode == 2
-    assert "--learning-rate=0.1 conflicts with 0.00025 saved in" in result.stderr
+    assert "--learning-rate=0.1 conflicts with 0.004 saved in" in result.stderr
     assert snapshot() == before
 
 

@@ -149,7 +149,12 @@ def test_jit_of_vmap_of_train_runs_two_seeds_without_the_driver():
     """PureJaxRL's usage, on the golden 2-seed PPO CartPole run's settings: the same numbers as
     the driver's run of seeds 1 and 2, up to float32 noise."""
     config = purejaxrl_ppo.Config(
-        num_envs=4, num_steps=16, num_minibatches=2, update_epochs=2, total_timesteps=512
+        num_envs=4,
+        num_steps=16,
+        num_minibatches=2,
+        update_epochs=2,
+        total_timesteps=512,
+        learning_rate=2.5e-4,
     )
     train = purejaxrl_ppo.make_train(config).train
     keys = jnp.stack([jax.random.PRNGKey(1), jax.random.PRNGKey(2)])
@@ -205,8 +210,15 @@ def test_updates_equal_purejaxrl_reference_updates_from_the_same_state():
     constant here, since ours anneals at every optimiser step and PureJaxRL once per update."""
     settings = PPO_CARTPOLE._replace(total_timesteps=PPO_CARTPOLE.total_timesteps * 10**6)
     loop = reference_ppo("CartPole", settings)  # ~1e9 updates: a constant rate in float32
-    config = purejaxrl_ppo.Config(anneal_lr=False, total_timesteps=3 * 512)
-    assert (config.num_envs, config.num_steps, config.learning_rate) == (4, 128, 2.5e-4)
+    s = PPO_CARTPOLE
+    config = purejaxrl_ppo.Config(
+        num_envs=s.num_envs,
+        num_steps=s.num_steps,
+        learning_rate=s.learning_rate,
+        anneal_lr=False,
+        total_timesteps=3 * s.num_envs * s.num_steps,
+    )
+    assert (config.num_minibatches, config.update_epochs, config.activation) == (4, 4, "tanh")
     trainer = purejaxrl_ppo.make_train(config)
     on_device = functools.partial(jax.vmap, axis_name=DEVICE_AXIS)  # the device axis, size 1
     state = on_device(trainer.init, in_axes=(0, None))(
@@ -298,6 +310,7 @@ def pendulum_update():
         update_epochs=2,
         total_timesteps=256,
         ent_coef=0.0,  # the continuous preset's: log_std learns from the policy loss alone
+        learning_rate=1e-3,  # the continuous preset's
     )
     with pytest.MonkeyPatch.context() as monkeypatch:
         return config, train_one_update(purejaxrl_ppo, monkeypatch, config)
