@@ -13,9 +13,9 @@ runs it by default, which is how its users get it, and with the threefry lowerin
 switches on (utils/devices.py), which shows how much of the difference is that switch.
 
 Ours is `purejaxrl_dqn.py` through the normal driver (metrics.csv, checkpoints and chunking
-as in any run), at its preset (a 128-128 network, 3-step Double-DQN targets, gradient clipping)
-and at PureJaxRL's settings (`--hidden-sizes 120 84 --n-step 1 --no-double-dqn --max-grad-norm
-0`). They alternate for `--rounds` rounds, so that a machine's drifting speed hits all of them;
+as in any run), at its preset (20 envs, a 64-64 network, 3-step Double-DQN targets, gradient
+clipping) and at PureJaxRL's settings (`--num-envs 10 --learning-rate 2.5e-4 --hidden-sizes 120
+84 --n-step 1 --no-double-dqn --max-grad-norm 0`). They alternate for `--rounds` rounds, so that a machine's drifting speed hits all of them;
 env steps/s exclude compilation.
 """
 
@@ -93,8 +93,8 @@ def main(args: Args) -> list[dict]:
         "PureJaxRL dqn.py loop, unrolled threefry": True,
         "purejaxrl_dqn.py preset": [],
         "purejaxrl_dqn.py at PureJaxRL's settings": [
-            *("--hidden-sizes", "120", "84", "--n-step", "1", "--no-double-dqn"),
-            *("--max-grad-norm", "0"),
+            *("--num-envs", "10", "--learning-rate", "2.5e-4", "--hidden-sizes", "120", "84"),
+            *("--n-step", "1", "--no-double-dqn", "--max-grad-norm", "0"),
         ],
     }
     measured = {name: [] for name in settings}

@@ -27,6 +27,7 @@ RECORDED = GOLDEN_DIR / "recorded.json"
 # name -> (trainer module, flags). Every run uses one device.
 # The CartPole runs keep the learning rate they were recorded at when the preset moves.
 PPO_CARTPOLE = ["--env", "CartPole", *TINY_PPO, "--learning-rate", "2.5e-4"]
+DQN_CARTPOLE = [*TINY_DQN, "--learning-rate", "2.5e-4"]
 RUNS = {
     "ppo_cartpole": ("purejaxrl_ppo", PPO_CARTPOLE),
     "ppo_pendulum": (
@@ -34,8 +35,8 @@ RUNS = {
         ["--env", "Pendulum", *TINY_PPO, "--num-steps", "32", "--total-timesteps", "1024"],
     ),
     "ppo_cartpole_2_seeds": ("purejaxrl_ppo", [*PPO_CARTPOLE, "--num-seeds", "2"]),
-    "dqn_cartpole": ("purejaxrl_dqn", TINY_DQN),
-    "dqn_cartpole_sweep": ("purejaxrl_dqn", [*TINY_DQN, "--sweep", "gamma=0.9,0.99"]),
+    "dqn_cartpole": ("purejaxrl_dqn", DQN_CARTPOLE),
+    "dqn_cartpole_sweep": ("purejaxrl_dqn", [*DQN_CARTPOLE, "--sweep", "gamma=0.9,0.99"]),
     "az_tic_tac_toe": ("purejaxrl_az", TINY_AZ),
 }
 # summary.json entries that the run computes (not timings or paths)

@@ -310,7 +310,7 @@ def test_presets_and_help():
     config = parse_config(Config, PRESETS, ["--env", "Breakout"])
     assert config.num_envs == 128 and config.buffer_size == 100_000 and config.loss == "huber"
     config = parse_config(Config, PRESETS, ["--env", "Acrobot", "--n-step", "1"])
-    assert config.num_envs == 10 and config.n_step == 1 and config.double_dqn
+    assert config.num_envs == 20 and config.n_step == 1 and config.double_dqn
     result = run_script("purejaxrl_dqn.py", "--help")
     assert result.returncode == 0, result.stderr
     text = " ".join(result.stdout.split())

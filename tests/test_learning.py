@@ -102,16 +102,16 @@ def test_ppo_with_a_gru_remembers_memory_chains_cue_and_without_one_cannot(tmp_p
     assert not remembers(memoryless), memoryless
 
 
-def test_dqn_cartpole_averages_490_over_the_second_half_of_2e5_steps_on_two_seeds(tmp_path):
-    """DQN's classic preset on a shorter budget (epsilon decays over 6e4 steps). The bar is the
+def test_dqn_cartpole_averages_485_over_the_second_half_of_4e5_steps_on_two_seeds(tmp_path):
+    """DQN's classic preset on a shorter budget (epsilon decays over 1.2e5 steps). The bar is the
     mean return over the second half of training and the greedy policy's return."""
 
     def solved(summary):
         return (
-            min(second_half_returns(summary)) >= 490 and min(summary["eval_return_per_seed"]) >= 400
+            min(second_half_returns(summary)) >= 485 and min(summary["eval_return_per_seed"]) >= 400
         )
 
-    flags = ["--env", "CartPole", "--total-timesteps", "200000"]
+    flags = ["--env", "CartPole", "--total-timesteps", "400000"]
     summary = train(tmp_path, "purejaxrl_dqn", *flags, "--num-seeds", "2")
     assert solved(summary), (second_half_returns(summary), summary)
     sabotaged = train(tmp_path, "purejaxrl_dqn", *flags, sabotage=STALE_BOOTSTRAP)
