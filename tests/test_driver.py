@@ -11,6 +11,7 @@ import fcntl
 import json
 import os
 import shutil
+import threading
 import warnings
 from pathlib import Path
 from typing import NamedTuple
@@ -255,6 +256,29 @@ def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, monkeypatch):
     for name in a:
         np.testing.assert_array_equal(a[name], b[name])
     np.testing.assert_array_equal(metric_table(uninterrupted, 0), metric_table(interrupted, 0))
+
+
+def test_the_first_chunk_compiles_beside_the_initial_state(tmp_path, monkeypatch):
+    """The first chunk's program is traced and compiled in a background thread, from the
+    state's shapes, while the main thread compiles and computes the initial state; a shorter
+    last chunk compiles at its turn. A resumed run does the same for its own first chunk."""
+    traced = []
+
+    def make_train(config, runtime=None):
+        trainer = make_stub()(config, runtime)
+
+        def train_chunk(state, num_updates):
+            traced.append((threading.current_thread().name.split("_")[0], num_updates))
+            return trainer.train_chunk(state, num_updates=num_updates)
+
+        return dataclasses.replace(trainer, train_chunk=train_chunk)
+
+    train(tmp_path / "fresh", make_train, num_updates=10, updates_per_chunk=4)
+    assert traced == [("compile", 4), ("MainThread", 2)]
+    _, interrupted = interrupted_after_update_4(tmp_path, monkeypatch)
+    traced.clear()
+    summary = train(tmp_path, make_train, resume=interrupted, updates_per_chunk=3)
+    assert summary["resumed_from_update"] == 4 and traced == [("compile", 3), ("MainThread", 1)]
 
 
 def test_checkpoint_reads_back_every_dtype_and_the_orbax_format_of_earlier_versions(tmp_path):

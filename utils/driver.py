@@ -5,7 +5,8 @@ contract of utils/trainer.py, in four stages that read top to bottom:
 
 1. `plan_runs`: flags checked, devices resolved, trainer built, sweep and seeds laid out, run
    directory created.
-2. `start_or_resume`: the initial state on the devices, or the latest checkpoint.
+2. `start_or_resume`: the initial state on the devices, or the latest checkpoint, while the
+   first chunk's program compiles in a background thread (`_ChunkRunner.start_compiling`).
 3. `train_in_chunks`: `train_chunk` (a `lax.scan` over updates) under `pmap(vmap(...))`,
    devices on the outer axis, runs on the inner one. Between chunks, and only there, the host
    writes metrics.csv, wandb, the progress bar and an atomic checkpoint. With a single chunk
@@ -18,6 +19,7 @@ or --eval-games) and replaces only summary.json's evaluation fields.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import fcntl
@@ -479,9 +481,11 @@ def plan_runs(config, make_train: Callable, validate: Callable) -> RunPlan:
     )
 
 
-def start_or_resume(plan: RunPlan, clock: _Clock):
+def start_or_resume(plan: RunPlan, clock: _Clock, on_state_shapes: Callable | None = None):
     """The initial training state on the devices, leaves [local devices, runs, ...], or the
-    latest checkpoint's with --resume. Returns (state, first update to train)."""
+    latest checkpoint's with --resume. Returns (state, first update to train).
+    `on_state_shapes(abstract_state)`, if given, is called with the state's shapes as soon as
+    they are known, before the initial state compiles: `_ChunkRunner.start_compiling`."""
     trainer = plan.trainer
     unroll_threefry_on_cpu(trainer.unrolled_threefry)  # before anything is lowered
     # Every device gets the run's key, so network parameters are identical across devices;
@@ -498,7 +502,10 @@ def start_or_resume(plan: RunPlan, clock: _Clock):
     )
     args = on_every_device((plan.run_keys, plan.run_hyperparams))
     if not plan.multi_process:  # a compiled pmap takes global arrays only
-        init_runs = compile_for_one_call(init_runs.lower(*args))
+        lowered = init_runs.lower(*args)
+        if on_state_shapes is not None:
+            on_state_shapes(jax.eval_shape(init_runs, *args))
+        init_runs = compile_for_one_call(lowered)
     state = jax.block_until_ready(init_runs(*args))
     clock.compile_seconds += time.perf_counter() - start
     if plan.config.resume is None:
@@ -515,12 +522,26 @@ def start_or_resume(plan: RunPlan, clock: _Clock):
 class _ChunkRunner:
     """`train_chunk` compiled once per chunk length, as pmap(vmap(chunk)) over the runs. The
     same program checks the divergence guard's state (`_state_finite`), so that the check
-    costs neither a compilation nor a dispatch of its own."""
+    costs neither a compilation nor a dispatch of its own. The first chunk's program can
+    compile in a background thread while the initial state compiles and runs
+    (`start_compiling`): XLA compiles a program on one core, and that core would idle."""
 
     def __init__(self, plan: RunPlan, clock: _Clock):
         self.plan, self.clock, self.compiled = plan, clock, {}
         trainer = plan.trainer
         self.check_state = trainer.guarded_state is not None and not plan.config.allow_nonfinite
+
+    def start_compiling(self, abstract_state, first_update: int) -> None:
+        """Begin compiling the chunk that trains from `first_update`, from the state's shapes;
+        `__call__` waits for it. A compiled pmap takes global arrays only: a run of several
+        processes compiles at its first call instead."""
+        num_updates = min(self.plan.chunk_len, self.plan.trainer.num_updates - first_update)
+        if self.plan.multi_process or num_updates <= 0:
+            return
+        program = self._program(num_updates)
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile")
+        self.compiled[num_updates] = pool.submit(lambda: program.lower(abstract_state).compile())
+        pool.shutdown(wait=False)  # its thread ends once the compilation is done
 
     def _program(self, num_updates: int) -> Callable:
         trainer = self.plan.trainer
@@ -534,15 +555,21 @@ class _ChunkRunner:
 
     def __call__(self, state, num_updates: int):
         """(new state, metrics {name: [runs, updates]}, each run's guarded state finite [runs])."""
-        if num_updates not in self.compiled:
+        program = self.compiled.get(num_updates)
+        if not callable(program):
             start = time.perf_counter()
-            pmapped = self._program(num_updates)
-            compiled = pmapped.lower(state).compile()
+            if program is not None:  # started by start_compiling
+                program = program.result()
+            elif self.plan.multi_process:
+                # A compiled pmap takes global arrays only; with several processes the pmapped
+                # function converts this process's arrays and reuses the compilation.
+                program = self._program(num_updates)
+                program.lower(state).compile()
+            else:
+                program = self._program(num_updates).lower(state).compile()
             self.clock.compile_seconds += time.perf_counter() - start
             interrupts.check()  # a stop asked for while compiling: before the chunk runs
-            # A compiled pmap takes global arrays only; with several processes the pmapped
-            # function converts this process's arrays and reuses the compilation.
-            self.compiled[num_updates] = pmapped if self.plan.multi_process else compiled
+            self.compiled[num_updates] = program
         start = time.perf_counter()
         state, metrics, finite = self.compiled[num_updates](state)
         metrics, finite = jax.device_get((metrics, finite))
@@ -602,14 +629,15 @@ def _divergence(
     return Divergence(metric, value, int(update), int(run), last_update)
 
 
-def train_in_chunks(plan: RunPlan, state, start_update: int, clock: _Clock, wandb_sink):
+def train_in_chunks(
+    plan: RunPlan, run_chunk: _ChunkRunner, state, start_update: int, clock: _Clock, wandb_sink
+):
     """Train to the last update, one compiled chunk at a time. After each chunk, and only there,
     process 0 appends to metrics.csv and wandb, writes records and saves a checkpoint; a stop
     signal takes effect there too (utils/interrupts.py). A chunk in which a run diverged
     (`_divergence`; off with --allow-nonfinite) is logged but not kept: training stops at the
     last finite state. Returns (that state, the Divergence or None)."""
     trainer, is_main = plan.trainer, plan.is_main
-    run_chunk = _ChunkRunner(plan, clock)
     guarded = not plan.config.allow_nonfinite
     divergence = None
     metrics_csv = None
@@ -969,9 +997,17 @@ def run_training(config, make_train: Callable, validate: Callable, return_state:
     with _run_lock(plan.run_dir):
         try:
             interrupts.check()  # a stop asked for while planning
-            state, start_update = start_or_resume(plan, clock)
+            run_chunk = _ChunkRunner(plan, clock)
+            first_update = plan.resume_update or 0
+
+            def start_compiling(abstract_state):
+                run_chunk.start_compiling(abstract_state, first_update)
+
+            state, start_update = start_or_resume(plan, clock, start_compiling)
             wandb_sink = _wandb_sink(plan)
-            state, divergence = train_in_chunks(plan, state, start_update, clock, wandb_sink)
+            state, divergence = train_in_chunks(
+                plan, run_chunk, state, start_update, clock, wandb_sink
+            )
             interrupts.check()
             if plan.is_main:
                 summary = report(plan, state, start_update, clock, wandb_sink, divergence)
