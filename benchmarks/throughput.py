@@ -41,7 +41,7 @@ TRAINERS = {"ppo": purejaxrl_ppo, "dqn": purejaxrl_dqn}
 class Args:
     runs: tuple[str, ...] = (
         "ppo:CartPole:500000",
-        "ppo:Breakout:2000000:--hidden-size 64 --ent-coef 0.01",  # PureJaxRL's network
+        "ppo:Breakout:2000000:--learning-rate 5e-3 --ent-coef 0.01",  # PureJaxRL's settings
         "ppo:Breakout:2000000",
         "dqn:CartPole:500000",
         "ppo:CartPole:500000:--num-seeds 12",
