@@ -59,7 +59,8 @@ def test_a_process_not_started_as_a_script_is_never_restarted():
 
 def test_compiled_programs_go_to_the_per_user_cache_unless_turned_off(tmp_path):
     """Without $JAX_COMPILATION_CACHE_DIR, a run caches its programs under $XDG_CACHE_HOME, and
-    the same command in a fresh process loads them instead of compiling: what remains of its
+    the same command in a fresh process loads them instead of compiling: it writes no program
+    of its own (a cache key that changed from run to run would), and what remains of its
     compile time is tracing and lowering. --no-compile-cache writes none."""
 
     def compile_seconds(cache_home, *flags) -> float:
@@ -74,11 +75,20 @@ def test_compiled_programs_go_to_the_per_user_cache_unless_turned_off(tmp_path):
         (summary,) = runs_dir.glob("*/summary.json")
         return json.loads(summary.read_text())["compile_seconds"]
 
+    def trainer_programs() -> set[str]:
+        # the init, chunk and evaluation programs; a tiny program such as a key split may
+        # cross the 0.1 s bar for a file on one run and not the other, on a busy machine
+        return {name for name in os.listdir(cache) if name.startswith(("jit__fun", "jit_evaluate"))}
+
     first = compile_seconds(tmp_path / "on")
     cache = tmp_path / "on" / "purejaxrl" / "jax"
-    assert any(name.startswith("jit_") for name in os.listdir(cache))
+    written = trainer_programs()
+    assert len(written) == 3, written
     second = compile_seconds(tmp_path / "on")
-    assert second < 0.5 * first, (first, second)
+    assert trainer_programs() == written
+    # about a third on an idle machine (docs/benchmarks.md, "Compile cache"); half at most
+    # when other processes compile beside it
+    assert second < 0.75 * first, (first, second)
     compile_seconds(tmp_path / "off", "--no-compile-cache")
     assert not (tmp_path / "off" / "purejaxrl").exists()
 
