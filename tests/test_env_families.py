@@ -159,6 +159,15 @@ def test_the_name_tables_match_the_installed_packages():
     assert set(BRAX_NAMES) == set(envs._envs) - {"fast"}
 
 
+def _fresh_python(code: str) -> str:
+    """What `code` prints, run in a fresh interpreter in the repository."""
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
 def test_a_gymnax_run_imports_no_other_env_package():
     """Planning a CartPole run (parse, validate, build the trainer) leaves brax, craftax and
     xminigrid unimported."""
@@ -171,11 +180,21 @@ def test_a_gymnax_run_imports_no_other_env_package():
         "p.make_train(config)\n"
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'brax', 'craftax', 'xminigrid'}))"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
+    assert _fresh_python(code).splitlines()[-1] == "[]"
+
+
+def test_gymnax_imports_seaborn_only_when_a_renderer_uses_it():
+    """gymnax imports seaborn for two renderers (about 1.3 s of every gymnax run's start): the
+    adapter leaves it unloaded until one of them looks a name up, and then it works."""
+    code = (
+        "import sys\n"
+        "from utils.envs import make_env\n"
+        "make_env('CartPole')\n"
+        "print('seaborn.palettes' in sys.modules)\n"
+        "from gymnax.environments.misc import pong\n"
+        "print(len(pong.sns.color_palette('cubehelix', 3)), type(sys.modules['seaborn']).__name__)"
     )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip().splitlines()[-1] == "[]"
+    assert _fresh_python(code).split() == ["False", "3", "module"]
 
 
 def test_each_family_has_a_ppo_preset():

@@ -17,6 +17,9 @@ the ALE Atari games.
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import sys
+import types
 from typing import Any, NamedTuple
 
 import jax
@@ -144,10 +147,43 @@ def family_module(family: str):
 def _gymnax():
     """gymnax, imported on first use: importing it loads every one of its environments and,
     through their renderers, matplotlib and seaborn: a start-up cost that an AlphaZero run never
-    needs (measured in docs/benchmarks.md)."""
+    needs (measured in docs/benchmarks.md). seaborn, which only two renderers call, loads when
+    one of them first uses it (`_import_lazily`)."""
+    _import_lazily("seaborn")
     import gymnax
 
     return gymnax
+
+
+def _import_lazily(name: str) -> None:
+    """Put a stand-in for module `name` in sys.modules that imports the module at its first
+    attribute lookup and forwards every lookup to it; nothing changes where `name` is imported
+    already or not installed. (The standard library's LazyLoader does not do here: on Python
+    3.11 the next `import name` statement already runs the module.)"""
+    if name in sys.modules:
+        return
+    spec = importlib.util.find_spec(name)
+    if spec is not None:
+        sys.modules[name] = _ModuleOnFirstUse(name, spec)
+
+
+class _ModuleOnFirstUse(types.ModuleType):
+    """`_import_lazily`'s stand-in. It has the module's name and spec, so that `import name`
+    takes it as imported; any other attribute imports the module, which then takes the
+    stand-in's place in sys.modules."""
+
+    def __init__(self, name: str, spec):
+        super().__init__(name)
+        self.__spec__ = spec
+
+    def __getattr__(self, attr: str):  # only for attributes the stand-in lacks
+        module = self.__dict__.get("_module")
+        if module is None:
+            if sys.modules.get(self.__name__) is self:
+                del sys.modules[self.__name__]
+            module = importlib.import_module(self.__name__)
+            self.__dict__["_module"] = module
+        return getattr(module, attr)
 
 
 def resolve_env_id(name: str) -> str:
