@@ -261,24 +261,38 @@ def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, monkeypatch):
 def test_the_first_chunk_compiles_beside_the_initial_state(tmp_path, monkeypatch):
     """The first chunk's program is traced and compiled in a background thread, from the
     state's shapes, while the main thread compiles and computes the initial state; a shorter
-    last chunk compiles at its turn. A resumed run does the same for its own first chunk."""
+    last chunk compiles at its turn. The evaluation after training compiles in a background
+    thread too, once the first chunk has trained. A resumed run does the same for its own
+    first chunk."""
     traced = []
+
+    def thread() -> str:
+        return threading.current_thread().name.split("_")[0]
 
     def make_train(config, runtime=None):
         trainer = make_stub()(config, runtime)
 
         def train_chunk(state, num_updates):
-            traced.append((threading.current_thread().name.split("_")[0], num_updates))
+            traced.append((thread(), num_updates))
             return trainer.train_chunk(state, num_updates=num_updates)
 
-        return dataclasses.replace(trainer, train_chunk=train_chunk)
+        def evaluate(state, key):
+            traced.append((thread(), "evaluate"))
+            return trainer.evaluate(state, key)
+
+        return dataclasses.replace(trainer, train_chunk=train_chunk, evaluate=evaluate)
+
+    def in_order(first_chunk, last_chunk):  # the last two in either order
+        assert traced[0] == ("compile", first_chunk)
+        assert sorted(traced[1:], key=str) == [("MainThread", last_chunk), ("compile", "evaluate")]
 
     train(tmp_path / "fresh", make_train, num_updates=10, updates_per_chunk=4)
-    assert traced == [("compile", 4), ("MainThread", 2)]
+    in_order(4, 2)
     _, interrupted = interrupted_after_update_4(tmp_path, monkeypatch)
     traced.clear()
     summary = train(tmp_path, make_train, resume=interrupted, updates_per_chunk=3)
-    assert summary["resumed_from_update"] == 4 and traced == [("compile", 3), ("MainThread", 1)]
+    assert summary["resumed_from_update"] == 4
+    in_order(3, 1)
 
 
 def test_checkpoint_reads_back_every_dtype_and_the_orbax_format_of_earlier_versions(tmp_path):

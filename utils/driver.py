@@ -630,13 +630,21 @@ def _divergence(
 
 
 def train_in_chunks(
-    plan: RunPlan, run_chunk: _ChunkRunner, state, start_update: int, clock: _Clock, wandb_sink
+    plan: RunPlan,
+    run_chunk: _ChunkRunner,
+    state,
+    start_update: int,
+    clock: _Clock,
+    wandb_sink,
+    after_first_chunk: Callable | None = None,
 ):
     """Train to the last update, one compiled chunk at a time. After each chunk, and only there,
     process 0 appends to metrics.csv and wandb, writes records and saves a checkpoint; a stop
     signal takes effect there too (utils/interrupts.py). A chunk in which a run diverged
     (`_divergence`; off with --allow-nonfinite) is logged but not kept: training stops at the
-    last finite state. Returns (that state, the Divergence or None)."""
+    last finite state. `after_first_chunk(state)`, if given, is called once the first chunk
+    has trained (`_FinalEvaluation.start_compiling`). Returns (that state, the Divergence or
+    None)."""
     trainer, is_main = plan.trainer, plan.is_main
     guarded = not plan.config.allow_nonfinite
     divergence = None
@@ -650,6 +658,9 @@ def train_in_chunks(
             interrupts.check()
             num_updates = min(plan.chunk_len, trainer.num_updates - update)
             new_state, metrics, finite_state = run_chunk(state, num_updates)
+            if after_first_chunk is not None:
+                after_first_chunk(new_state)
+                after_first_chunk = None
             # the first run's records
             records = {k: metrics.pop(k)[0] for k in list(metrics) if k.startswith("record_")}
             first_update = update + 1
@@ -729,19 +740,47 @@ def _exit_interrupted(plan: RunPlan) -> None:
     interrupts.exit_interrupted(functools.partial(_interrupted, plan))
 
 
-def _evaluate_final(plan: RunPlan, state, clock: _Clock) -> np.ndarray | None:
-    """The trainer's evaluation after training: episode returns [runs, episodes], or None."""
-    trainer = plan.trainer
-    if trainer.evaluate is None:
-        return None
-    first_device_state = jax.tree.map(lambda x: x[0], state)
-    eval_keys = _evaluation_keys(plan)
-    start = time.perf_counter()
-    evaluate = compile_for_one_call(
-        jax.jit(jax.vmap(trainer.evaluate)).lower(first_device_state, eval_keys)
-    )
-    clock.compile_seconds += time.perf_counter() - start
-    return np.asarray(evaluate(first_device_state, eval_keys))
+class _FinalEvaluation:
+    """The trainer's evaluation after training (Trainer.evaluate), vmapped over the runs of the
+    first device's state. Its program runs once, so it compiles at LLVM level 0
+    (`compile_for_one_call`); `start_compiling` has it compile in a background thread while
+    the chunks after the first train, on the core that training on one device leaves idle."""
+
+    def __init__(self, plan: RunPlan, clock: _Clock):
+        self.plan, self.clock, self.compiled = plan, clock, None
+        self.on_first_device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+    def _lowered(self, first_device_state):
+        program = jax.jit(jax.vmap(self.plan.trainer.evaluate))
+        return program.lower(first_device_state, _evaluation_keys(self.plan))
+
+    def start_compiling(self, state) -> None:
+        """Begin compiling from the shapes of `state`, leaves [local devices, runs, ...]; a
+        run of several processes compiles when it evaluates instead."""
+        if self.plan.trainer.evaluate is None or self.plan.multi_process or self.compiled:
+            return
+        shapes = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=self.on_first_device),
+            state,
+        )
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile")
+        self.compiled = pool.submit(lambda: compile_for_one_call(self._lowered(shapes)))
+        pool.shutdown(wait=False)  # its thread ends once the compilation is done
+
+    def __call__(self, state) -> np.ndarray | None:
+        """Episode returns [runs, episodes], or None without an evaluation."""
+        if self.plan.trainer.evaluate is None:
+            return None
+        first_device_state = jax.tree.map(lambda x: x[0], state)
+        if self.compiled is not None:  # x[0] of a leaf replicated over devices spans them all
+            first_device_state = jax.device_put(first_device_state, self.on_first_device)
+        start = time.perf_counter()
+        if self.compiled is None:
+            evaluate = compile_for_one_call(self._lowered(first_device_state))
+        else:
+            evaluate = self.compiled.result()
+        self.clock.compile_seconds += time.perf_counter() - start
+        return np.asarray(evaluate(first_device_state, _evaluation_keys(self.plan)))
 
 
 def _evaluation_keys(plan: RunPlan) -> np.ndarray:
@@ -878,13 +917,20 @@ def _result_line(plan: RunPlan, summary: dict) -> str:
 
 
 def report(
-    plan: RunPlan, state, start_update: int, clock: _Clock, wandb_sink, divergence=None
+    plan: RunPlan,
+    state,
+    start_update: int,
+    clock: _Clock,
+    wandb_sink,
+    divergence=None,
+    evaluate_final: _FinalEvaluation | None = None,
 ) -> dict:
-    """Process 0 after training: evaluation, video, the learning curve, summary.json, wandb's
-    summary and the one-line result. A diverged run gets neither evaluation nor video, and its
-    line on stderr says where it diverged."""
+    """Process 0 after training: evaluation (`evaluate_final`, a new one if None), video, the
+    learning curve, summary.json, wandb's summary and the one-line result. A diverged run gets
+    neither evaluation nor video, and its line on stderr says where it diverged."""
     diverged = divergence is not None
-    eval_returns = None if diverged else _evaluate_final(plan, state, clock)
+    evaluate_final = evaluate_final or _FinalEvaluation(plan, clock)
+    eval_returns = None if diverged else evaluate_final(state)
     if plan.trainer.video_policy is not None and not diverged:
         _capture_video(plan, state, wandb_sink)
     columns = read_metrics_csv(plan.csv_path)
@@ -919,7 +965,7 @@ def reevaluate(plan: RunPlan, summary: dict) -> dict:
     clock = _Clock(wall_start=time.perf_counter())  # apart: the training's seconds stay
     state, _ = start_or_resume(plan, clock)
     if plan.trainer.evaluate is not None:
-        fields = _evaluation_fields(_evaluate_final(plan, state, clock), plan.num_runs)
+        fields = _evaluation_fields(_FinalEvaluation(plan, clock)(state), plan.num_runs)
     else:
         fields = _chunk_evaluation_fields(plan, state)
     summary = {**summary, **fields}
@@ -1005,12 +1051,21 @@ def run_training(config, make_train: Callable, validate: Callable, return_state:
 
             state, start_update = start_or_resume(plan, clock, start_compiling)
             wandb_sink = _wandb_sink(plan)
+            evaluate_final = _FinalEvaluation(plan, clock)
             state, divergence = train_in_chunks(
-                plan, run_chunk, state, start_update, clock, wandb_sink
+                plan,
+                run_chunk,
+                state,
+                start_update,
+                clock,
+                wandb_sink,
+                after_first_chunk=evaluate_final.start_compiling if plan.is_main else None,
             )
             interrupts.check()
             if plan.is_main:
-                summary = report(plan, state, start_update, clock, wandb_sink, divergence)
+                summary = report(
+                    plan, state, start_update, clock, wandb_sink, divergence, evaluate_final
+                )
             else:
                 summary = None
         except KeyboardInterrupt:
