@@ -119,9 +119,10 @@ def test_dqn_cartpole_averages_485_over_the_second_half_of_4e5_steps_on_two_seed
 
 
 def test_az_tic_tac_toe_learns_to_never_lose(tmp_path):
-    """The tic_tac_toe preset cut to 30 iterations and evaluated once at the end: no lost game
-    against the random player from either seat, and mostly draws against the perfect player.
-    The network as initialised, evaluated the same way, must not do so."""
+    """The tic_tac_toe preset cut to 20 iterations (40,960 moves) and evaluated once at the
+    end: no lost game against the random player from either seat, and mostly draws against
+    the perfect player (all 64 drawn when this budget was set). The network as initialised,
+    evaluated the same way, must not do so."""
 
     def never_loses(summary):
         final = summary["final_metrics_per_seed"][0]
@@ -129,7 +130,7 @@ def test_az_tic_tac_toe_learns_to_never_lose(tmp_path):
 
     flags = ["--env", "tic_tac_toe"]
     summary = train(
-        tmp_path, "purejaxrl_az", *flags, "--num-iterations", "30", "--eval-every", "30",
+        tmp_path, "purejaxrl_az", *flags, "--num-iterations", "20", "--eval-every", "20",
         timeout=600,
     )  # fmt: skip
     assert never_loses(summary), summary["final_metrics_per_seed"]
