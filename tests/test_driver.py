@@ -289,6 +289,9 @@ def test_the_first_chunk_compiles_beside_the_initial_state(tmp_path, monkeypatch
     train(tmp_path / "fresh", make_train, num_updates=10, updates_per_chunk=4)
     in_order(4, 2)
     _, interrupted = interrupted_after_update_4(tmp_path, monkeypatch)
+    for running in threading.enumerate():  # the stopped run's evaluation may still compile
+        if running.name.startswith("compile"):
+            running.join()
     traced.clear()
     summary = train(tmp_path, make_train, resume=interrupted, updates_per_chunk=3)
     assert summary["resumed_from_update"] == 4
