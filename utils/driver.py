@@ -760,7 +760,9 @@ class _FinalEvaluation:
         if self.plan.trainer.evaluate is None or self.plan.multi_process or self.compiled:
             return
         shapes = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=self.on_first_device),
+            lambda x: jax.ShapeDtypeStruct(
+                x.shape[1:], x.dtype, sharding=self.on_first_device, weak_type=x.weak_type
+            ),
             state,
         )
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile")
