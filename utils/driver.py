@@ -519,6 +519,15 @@ def start_or_resume(plan: RunPlan, clock: _Clock, on_state_shapes: Callable | No
     return state, int(meta["update"])
 
 
+def _in_background(compile_program: Callable) -> concurrent.futures.Future:
+    """`compile_program()` in a thread of its own, named compile_*; the future of its result.
+    The thread ends once the compilation is done."""
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile")
+    future = pool.submit(compile_program)
+    pool.shutdown(wait=False)
+    return future
+
+
 class _ChunkRunner:
     """`train_chunk` compiled once per chunk length, as pmap(vmap(chunk)) over the runs. The
     same program checks the divergence guard's state (`_state_finite`), so that the check
@@ -539,9 +548,7 @@ class _ChunkRunner:
         if self.plan.multi_process or num_updates <= 0:
             return
         program = self._program(num_updates)
-        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile")
-        self.compiled[num_updates] = pool.submit(lambda: program.lower(abstract_state).compile())
-        pool.shutdown(wait=False)  # its thread ends once the compilation is done
+        self.compiled[num_updates] = _in_background(lambda: program.lower(abstract_state).compile())
 
     def _program(self, num_updates: int) -> Callable:
         trainer = self.plan.trainer
@@ -749,10 +756,10 @@ class _FinalEvaluation:
     def __init__(self, plan: RunPlan, clock: _Clock):
         self.plan, self.clock, self.compiled = plan, clock, None
         self.on_first_device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        self.keys = _evaluation_keys(plan)
 
     def _lowered(self, first_device_state):
-        program = jax.jit(jax.vmap(self.plan.trainer.evaluate))
-        return program.lower(first_device_state, _evaluation_keys(self.plan))
+        return jax.jit(jax.vmap(self.plan.trainer.evaluate)).lower(first_device_state, self.keys)
 
     def start_compiling(self, state) -> None:
         """Begin compiling from the shapes of `state`, leaves [local devices, runs, ...]; a
@@ -765,9 +772,7 @@ class _FinalEvaluation:
             ),
             state,
         )
-        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile")
-        self.compiled = pool.submit(lambda: compile_for_one_call(self._lowered(shapes)))
-        pool.shutdown(wait=False)  # its thread ends once the compilation is done
+        self.compiled = _in_background(lambda: compile_for_one_call(self._lowered(shapes)))
 
     def __call__(self, state) -> np.ndarray | None:
         """Episode returns [runs, episodes], or None without an evaluation."""
@@ -782,7 +787,7 @@ class _FinalEvaluation:
         else:
             evaluate = self.compiled.result()
         self.clock.compile_seconds += time.perf_counter() - start
-        return np.asarray(evaluate(first_device_state, _evaluation_keys(self.plan)))
+        return np.asarray(evaluate(first_device_state, self.keys))
 
 
 def _evaluation_keys(plan: RunPlan) -> np.ndarray:
@@ -924,14 +929,13 @@ def report(
     start_update: int,
     clock: _Clock,
     wandb_sink,
+    evaluate_final: _FinalEvaluation,
     divergence=None,
-    evaluate_final: _FinalEvaluation | None = None,
 ) -> dict:
-    """Process 0 after training: evaluation (`evaluate_final`, a new one if None), video, the
-    learning curve, summary.json, wandb's summary and the one-line result. A diverged run gets
-    neither evaluation nor video, and its line on stderr says where it diverged."""
+    """Process 0 after training: evaluation (`evaluate_final`), video, the learning curve,
+    summary.json, wandb's summary and the one-line result. A diverged run gets neither
+    evaluation nor video, and its line on stderr says where it diverged."""
     diverged = divergence is not None
-    evaluate_final = evaluate_final or _FinalEvaluation(plan, clock)
     eval_returns = None if diverged else evaluate_final(state)
     if plan.trainer.video_policy is not None and not diverged:
         _capture_video(plan, state, wandb_sink)
@@ -1066,7 +1070,7 @@ def run_training(config, make_train: Callable, validate: Callable, return_state:
             interrupts.check()
             if plan.is_main:
                 summary = report(
-                    plan, state, start_update, clock, wandb_sink, divergence, evaluate_final
+                    plan, state, start_update, clock, wandb_sink, evaluate_final, divergence
                 )
             else:
                 summary = None
