@@ -1,7 +1,9 @@
 """The benchmark scripts keep working (their numbers are reported, never asserted).
 
-They run in pairs, one after the other: the second of each pair compiles the same trainer
-program as the first, so it reads that compilation from the session's JAX cache."""
+Some run in pairs, one after the other, in one test: the GPU smoke run and the AlphaZero
+self-play benchmark share their program sizes, so the second reads its compilations from the
+session's JAX cache. The yardstick and time_to_skill compile every run from scratch, as they
+measure compile times."""
 
 import json
 
@@ -76,22 +78,35 @@ def check_gpu_benchmark_smoke_mode(tmp_path):
     assert results["runs"]["az_connect_four_1024_games"]["unit"] == "moves"
 
 
-def check_dqn_yardstick(tmp_path):
+def check_yardstick(tmp_path):
     out = tmp_path / "yardstick.json"
     result = run_script(
-        "benchmarks/dqn_yardstick.py",
+        "benchmarks/yardstick.py",
+        "--workloads", "ppo_cartpole,dqn_cartpole",
         "--total-timesteps", "12000",
         "--rounds", "1",
+        "--no-progress",
         "--out", str(out),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    reference, unrolled, preset, equivalent = json.loads(out.read_text())
-    assert reference["ratio_to_reference"] == 1.0
-    assert unrolled["setting"] == "PureJaxRL dqn.py loop, unrolled threefry"
-    assert equivalent["setting"] == "purejaxrl_dqn.py at PureJaxRL's settings"
-    for row in (reference, unrolled, preset, equivalent):
-        assert row["steps_per_second"][0] > 0 and row["total_timesteps"] == 12000
-    assert "| PureJaxRL dqn.py loop |" in result.stdout
+    rows = json.loads(out.read_text())
+    assert [(r["workload"], r["setting"]) for r in rows] == [
+        ("ppo_cartpole", "PureJaxRL ppo.py loop"),
+        ("ppo_cartpole", "ours at its settings"),
+        ("dqn_cartpole", "PureJaxRL dqn.py loop"),
+        ("dqn_cartpole", "ours at its settings"),
+    ]
+    for row in rows:
+        assert row["steps_per_second"][0] > 0 and row["compile_seconds"][0] > 0
+        assert row["total_timesteps"] == 12000
+    assert rows[0]["throughput_ratio"] == rows[0]["compile_ratio"] == 1.0
+    assert "| dqn_cartpole | PureJaxRL dqn.py loop |" in result.stdout
+
+
+def test_yardstick_rejects_an_unknown_workload():
+    result = run_script("benchmarks/yardstick.py", "--workloads", "ppo_pong")
+    assert result.returncode == 2
+    assert "unknown workloads ['ppo_pong']" in result.stderr
 
 
 def test_gpu_smoke_then_az_selfplay_benchmarks_run(tmp_path):
@@ -99,9 +114,9 @@ def test_gpu_smoke_then_az_selfplay_benchmarks_run(tmp_path):
     check_az_selfplay_benchmark(tmp_path)
 
 
-def test_throughput_then_dqn_yardstick_benchmarks_run(tmp_path):
-    check_throughput_benchmark(tmp_path)  # its DQN run is the yardstick's preset run
-    check_dqn_yardstick(tmp_path)
+def test_throughput_then_yardstick_benchmarks_run(tmp_path):
+    check_throughput_benchmark(tmp_path)
+    check_yardstick(tmp_path)
 
 
 def test_every_gpu_benchmark_run_parses_and_validates():
