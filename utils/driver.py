@@ -537,6 +537,7 @@ class _ChunkRunner:
 
     def __init__(self, plan: RunPlan, clock: _Clock):
         self.plan, self.clock, self.compiled = plan, clock, {}
+        self.abstract_state = None  # the state's shapes, once start_compiling has them
         trainer = plan.trainer
         self.check_state = trainer.guarded_state is not None and not plan.config.allow_nonfinite
 
@@ -547,8 +548,20 @@ class _ChunkRunner:
         num_updates = min(self.plan.chunk_len, self.plan.trainer.num_updates - first_update)
         if self.plan.multi_process or num_updates <= 0:
             return
-        program = self._program(num_updates)
-        self.compiled[num_updates] = _in_background(lambda: program.lower(abstract_state).compile())
+        self.abstract_state = abstract_state
+        self._compile_in_background(num_updates)
+
+    def start_compiling_last(self, first_update: int) -> None:
+        """Begin compiling the last chunk's program where the run from `first_update` ends with
+        a shorter chunk (no chunk length divides its updates), after `start_compiling`: on a
+        machine with a core to spare, the chunks before it train meanwhile."""
+        last = (self.plan.trainer.num_updates - first_update) % self.plan.chunk_len
+        if self.abstract_state is not None and last and last not in self.compiled:
+            self._compile_in_background(last)
+
+    def _compile_in_background(self, num_updates: int) -> None:
+        program, shapes = self._program(num_updates), self.abstract_state
+        self.compiled[num_updates] = _in_background(lambda: program.lower(shapes).compile())
 
     def _program(self, num_updates: int) -> Callable:
         trainer = self.plan.trainer
@@ -650,7 +663,7 @@ def train_in_chunks(
     signal takes effect there too (utils/interrupts.py). A chunk in which a run diverged
     (`_divergence`; off with --allow-nonfinite) is logged but not kept: training stops at the
     last finite state. `after_first_chunk(state)`, if given, is called once the first chunk
-    has trained (`_FinalEvaluation.start_compiling`). Returns (that state, the Divergence or
+    has trained (to start the background compilations that wait for it). Returns (that state, the Divergence or
     None)."""
     trainer, is_main = plan.trainer, plan.is_main
     guarded = not plan.config.allow_nonfinite
@@ -1058,6 +1071,12 @@ def run_training(config, make_train: Callable, validate: Callable, return_state:
             state, start_update = start_or_resume(plan, clock, start_compiling)
             wandb_sink = _wandb_sink(plan)
             evaluate_final = _FinalEvaluation(plan, clock)
+
+            def after_first_chunk(state):
+                run_chunk.start_compiling_last(start_update)
+                if plan.is_main:
+                    evaluate_final.start_compiling(state)
+
             state, divergence = train_in_chunks(
                 plan,
                 run_chunk,
@@ -1065,7 +1084,7 @@ def run_training(config, make_train: Callable, validate: Callable, return_state:
                 start_update,
                 clock,
                 wandb_sink,
-                after_first_chunk=evaluate_final.start_compiling if plan.is_main else None,
+                after_first_chunk=after_first_chunk,
             )
             interrupts.check()
             if plan.is_main:
