@@ -11,7 +11,8 @@ Workloads (`--workloads`, comma-separated):
 - ppo_breakout: its MinAtar configuration on Breakout-MinAtar, 2e6 steps (64 envs x 128 steps,
   4 epochs of 8 minibatches, learning rate 5e-3 annealed, 64-unit ReLU MLPs).
 - dqn_cartpole: its dqn.py at its CartPole configuration, 5e5 steps (10 envs, a flashbax buffer
-  of 10k, a 120-84 MLP, one Adam step on 128 transitions every 10 env steps, 1-step targets).
+  of 10k, a 120-84 MLP, one Adam step on 128 transitions every 10 env steps, 1-step targets,
+  epsilon annealed over 2.5e5 steps).
 
 The anchors are rebuilt in benchmarks/references.py and run as their scripts do: the whole run
 one jitted `lax.scan`, no logging callback, JAX's default CPU lowering of random numbers (as
@@ -118,6 +119,7 @@ WORKLOADS = {
         (
             *("--num-envs", "10", "--learning-rate", "2.5e-4", "--hidden-sizes", "120", "84"),
             *("--n-step", "1", "--no-double-dqn", "--max-grad-norm", "0"),
+            *("--buffer-size", "10000", "--exploration-fraction", "0.5"),
         ),
     ),
 }

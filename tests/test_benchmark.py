@@ -7,7 +7,12 @@ measure compile times."""
 
 import json
 
+import purejaxrl_dqn
+import purejaxrl_ppo
+from benchmarks import references
+from benchmarks.yardstick import WORKLOADS
 from tests.helpers import run_script
+from utils.cli import parse_config
 
 
 def check_throughput_benchmark(tmp_path):
@@ -101,6 +106,38 @@ def check_yardstick(tmp_path):
         assert row["total_timesteps"] == 12000
     assert rows[0]["throughput_ratio"] == rows[0]["compile_ratio"] == 1.0
     assert "| dqn_cartpole | PureJaxRL dqn.py loop |" in result.stdout
+
+
+def test_yardstick_runs_ours_at_each_anchors_settings():
+    def ours(name, module):
+        workload = WORKLOADS[name]
+        return parse_config(module.Config, module.PRESETS, ["--env", workload.env, *workload.flags])
+
+    for name, settings in (
+        ("ppo_cartpole", references.PPO_CARTPOLE),
+        ("ppo_breakout", references.PPO_MINATAR),
+    ):
+        config = ours(name, purejaxrl_ppo)
+        for field, value in settings._asdict().items():
+            if field != "total_timesteps":  # the workload's own
+                assert getattr(config, "clip_coef" if field == "clip_eps" else field) == value
+        assert (config.hidden_size, config.torso, config.anneal_lr) == (64, "mlp", True)
+        assert config.clip_vloss and config.norm_adv and not config.normalize_obs
+    config = ours("dqn_cartpole", purejaxrl_dqn)
+    assert config.num_envs == references.DQN_NUM_ENVS
+    assert config.learning_rate == references.DQN_LEARNING_RATE
+    assert (config.buffer_size, config.batch_size) == (
+        references.DQN_BUFFER_SIZE,
+        references.DQN_BATCH_SIZE,
+    )
+    assert config.learning_starts == references.DQN_LEARNING_STARTS
+    assert config.target_network_frequency == references.DQN_TARGET_UPDATE_INTERVAL
+    anneal_steps = config.exploration_fraction * WORKLOADS["dqn_cartpole"].total_timesteps
+    assert anneal_steps == references.DQN_EPSILON_ANNEAL_TIME
+    assert (config.start_e, config.end_e, config.gamma) == (1.0, 0.05, references.DQN_GAMMA)
+    assert (config.train_frequency, config.gradient_steps, config.n_step) == (1, 1, 1)
+    assert config.hidden_sizes == (120, 84) and not config.double_dqn
+    assert config.max_grad_norm == 0 and config.loss == "mse" and not config.dueling
 
 
 def test_yardstick_rejects_an_unknown_workload():
