@@ -1,5 +1,5 @@
-"""The accelerator benchmark: seven runs that show what one GPU does, and the time-to-skill
-table, in one JSON file.
+"""The accelerator benchmark: seven runs that show what one GPU does, the time-to-skill table
+and the throughput table at the anchors' settings, in one JSON file.
 
     python benchmarks/gpu.py --out gpu.json             # on a CUDA machine
     python benchmarks/gpu.py --smoke --out smoke.json   # the same runs, tiny, on any CPU
@@ -12,7 +12,9 @@ paper's 1024 envs; PPO on Brax's hopper with PureJaxRL's 2048 envs x 10 steps; D
 with 128 seeds; AlphaZero connect_four with 1024 games. Each row has steps (or moves) per
 second over all seeds, compile seconds and wall seconds. Then benchmarks/time_to_skill.py's
 default workloads, 3 seeds each (1 with --smoke), ours next to the anchors: its table goes into
-the JSON file as "time_to_skill" (leave it out with --skip time_to_skill).
+the JSON file as "time_to_skill" (leave it out with --skip time_to_skill). Last,
+benchmarks/yardstick.py's workloads, 2 rounds (1 of tiny runs with --smoke): its rows go in as
+"yardstick" (--skip yardstick).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import purejaxrl_az
 import purejaxrl_dqn
 import purejaxrl_ppo
-from benchmarks import time_to_skill
+from benchmarks import time_to_skill, yardstick
 from utils.cli import parse_config
 from utils.driver import run_training
 from utils.logs import write_json
@@ -46,7 +48,8 @@ class Args:
     out: str = "gpu_benchmark.json"
     """where the JSON results go"""
     skip: tuple[str, ...] = ()
-    """names of runs to leave out (time_to_skill: the time-to-skill table)"""
+    """names of runs to leave out (time_to_skill: the time-to-skill table; yardstick: the
+    throughput table at the anchors' settings)"""
     dry_run: bool = False
     """parse and validate every run's flags, at full and smoke size, and train nothing"""
 
@@ -110,7 +113,7 @@ def parse_run(trainer, flags: str, runs_dir: str, smoke: bool):
 
 def dry_run() -> None:
     """Every run's flags, at both sizes, parsed and validated as the driver would; so are our
-    side's flags of the time-to-skill workloads."""
+    side's flags of the time-to-skill and yardstick workloads."""
     for name, (trainer, full, smoke) in RUNS.items():
         for size, flags in (("full", full), ("smoke", smoke)):
             config = parse_run(trainer, flags, "runs", size == "smoke")
@@ -122,6 +125,10 @@ def dry_run() -> None:
             config = parse_run(workload.trainer, flags, "runs", flags == workload.smoke_flags)
             workload.trainer.validate(config, Runtime())
         print(f"time_to_skill {name}: flags parse and validate")
+    for name, workload in yardstick.WORKLOADS.items():
+        flags = " ".join(["--env", workload.env, *workload.flags])
+        workload.trainer.validate(parse_run(workload.trainer, flags, "runs", False), Runtime())
+        print(f"yardstick {name}: flags parse and validate")
 
 
 def main(args: Args) -> dict:
@@ -158,6 +165,14 @@ def main(args: Args) -> dict:
             time_to_skill.Args(seeds=1 if args.smoke else 3, cpu_devices=0, smoke=args.smoke)
         )
         results["time_to_skill"] = {k: skill[k] for k in ("seeds", "workloads", "table")}
+    if "yardstick" not in args.skip:  # it too compiles without the cache
+        results["yardstick"] = yardstick.main(
+            yardstick.Args(
+                rounds=1 if args.smoke else 2,
+                total_timesteps=12_000 if args.smoke else None,
+                progress=False,
+            )
+        )
     results["total_seconds"] = round(time.perf_counter() - start, 1)
     write_json(args.out, results)
     for name, row in results["runs"].items():

@@ -61,12 +61,14 @@ def check_gpu_benchmark_smoke_mode(tmp_path):
     out = tmp_path / "gpu.json"
     # The Craftax and Brax runs compile for minutes on a CPU: their flags are checked by
     # test_every_gpu_benchmark_run_parses_and_validates instead.
-    # time_to_skill has a smoke test of its own. The seeds and MinAtar runs are the same
-    # trainers with other flags, which the dry run checks: the suite's time goes elsewhere.
+    # time_to_skill and the yardstick have smoke tests of their own. The seeds and MinAtar runs
+    # are the same trainers with other flags, which the dry run checks: the suite's time goes
+    # elsewhere.
     heavy = [
         "ppo_craftax_classic_1024_envs",
         "ppo_hopper_2048_envs",
         "time_to_skill",
+        "yardstick",
         "ppo_cartpole_256_seeds",
         "ppo_breakout_minatar_1e7",
         "dqn_cartpole_128_seeds",
@@ -159,9 +161,11 @@ def test_throughput_then_yardstick_benchmarks_run(tmp_path):
 def test_every_gpu_benchmark_run_parses_and_validates():
     result = run_script("benchmarks/gpu.py", "--dry-run")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count("flags parse and validate") == 7 + 3
+    assert result.stdout.count("flags parse and validate") == 7 + 3 + 3
     for name in ("ppo_cartpole", "dqn_cartpole", "az_tic_tac_toe"):
         assert f"time_to_skill {name}: flags parse and validate" in result.stdout
+    for name in ("ppo_cartpole", "ppo_breakout", "dqn_cartpole"):
+        assert f"yardstick {name}: flags parse and validate" in result.stdout
 
 
 def test_time_to_skill_benchmark_runs(tmp_path):
