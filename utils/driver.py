@@ -663,8 +663,8 @@ def train_in_chunks(
     signal takes effect there too (utils/interrupts.py). A chunk in which a run diverged
     (`_divergence`; off with --allow-nonfinite) is logged but not kept: training stops at the
     last finite state. `after_first_chunk(state)`, if given, is called once the first chunk
-    has trained (to start the background compilations that wait for it). Returns (that state, the Divergence or
-    None)."""
+    has trained (to start the background compilations that wait for it). Returns (that state,
+    the Divergence or None)."""
     trainer, is_main = plan.trainer, plan.is_main
     guarded = not plan.config.allow_nonfinite
     divergence = None
