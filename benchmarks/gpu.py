@@ -126,8 +126,8 @@ def dry_run() -> None:
             workload.trainer.validate(config, Runtime())
         print(f"time_to_skill {name}: flags parse and validate")
     for name, workload in yardstick.WORKLOADS.items():
-        flags = " ".join(["--env", workload.env, *workload.flags])
-        workload.trainer.validate(parse_run(workload.trainer, flags, "runs", False), Runtime())
+        config = yardstick.ours_config(workload, workload.total_timesteps, workload.flags)
+        workload.trainer.validate(config, Runtime())
         print(f"yardstick {name}: flags parse and validate")
 
 

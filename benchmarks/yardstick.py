@@ -143,15 +143,27 @@ def anchor_run(workload: Workload, total_timesteps: int, unrolled: bool) -> tupl
     return steps / (time.perf_counter() - start), compile_seconds
 
 
+def ours_config(
+    workload: Workload,
+    total_timesteps: int,
+    flags,
+    *,
+    progress: bool = False,
+    runs_dir: str = "runs",
+):
+    """Our trainer's config for a run of `workload` with `flags`, as `ours_run` trains it."""
+    cli = ["--env", workload.env, "--total-timesteps", str(total_timesteps), *flags]
+    cli += ["--runs-dir", runs_dir, "--eval-episodes", "0", "--no-compile-cache"]
+    cli += [] if progress else ["--no-progress"]
+    return parse_config(workload.trainer.Config, workload.trainer.PRESETS, cli)
+
+
 def ours_run(
     workload: Workload, total_timesteps: int, flags, *, progress: bool, runs_dir: str
 ) -> tuple[float, float]:
     """(env steps/s, compile s) of our trainer through the driver, as a user runs it."""
-    cli = ["--env", workload.env, "--total-timesteps", str(total_timesteps), *flags]
-    cli += ["--runs-dir", runs_dir, "--eval-episodes", "0", "--no-compile-cache"]
-    cli += [] if progress else ["--no-progress"]
+    config = ours_config(workload, total_timesteps, flags, progress=progress, runs_dir=runs_dir)
     module = workload.trainer
-    config = parse_config(module.Config, module.PRESETS, cli)
     summary = run_training(config, module.make_train, module.validate)
     return summary["steps_per_second"], summary["compile_seconds"]
 

@@ -7,12 +7,9 @@ measure compile times."""
 
 import json
 
-import purejaxrl_dqn
-import purejaxrl_ppo
 from benchmarks import references
-from benchmarks.yardstick import WORKLOADS
+from benchmarks.yardstick import WORKLOADS, ours_config
 from tests.helpers import run_script
-from utils.cli import parse_config
 
 
 def check_throughput_benchmark(tmp_path):
@@ -111,21 +108,21 @@ def check_yardstick(tmp_path):
 
 
 def test_yardstick_runs_ours_at_each_anchors_settings():
-    def ours(name, module):
+    def ours(name):  # the config the yardstick trains
         workload = WORKLOADS[name]
-        return parse_config(module.Config, module.PRESETS, ["--env", workload.env, *workload.flags])
+        return ours_config(workload, workload.total_timesteps, workload.flags)
 
     for name, settings in (
         ("ppo_cartpole", references.PPO_CARTPOLE),
         ("ppo_breakout", references.PPO_MINATAR),
     ):
-        config = ours(name, purejaxrl_ppo)
+        config = ours(name)
         for field, value in settings._asdict().items():
             if field != "total_timesteps":  # the workload's own
                 assert getattr(config, "clip_coef" if field == "clip_eps" else field) == value
         assert (config.hidden_size, config.torso, config.anneal_lr) == (64, "mlp", True)
         assert config.clip_vloss and config.norm_adv and not config.normalize_obs
-    config = ours("dqn_cartpole", purejaxrl_dqn)
+    config = ours("dqn_cartpole")
     assert config.num_envs == references.DQN_NUM_ENVS
     assert config.learning_rate == references.DQN_LEARNING_RATE
     assert (config.buffer_size, config.batch_size) == (
