@@ -4,7 +4,6 @@ PureJaxRL's PPO from the same state; one real update step watched from outside (
 continuous actions). Memory and normalisation are in
 tests/test_ppo_memory.py, runs through the driver in tests/test_ppo_runs.py."""
 
-import dataclasses
 import functools
 
 import jax
@@ -175,22 +174,26 @@ def test_train_refuses_a_trainer_built_for_several_devices():
 
 
 def test_max_grad_norm_0_turns_clipping_off():
-    """A zero threshold would clip every gradient to nothing; 0 means no clipping instead."""
+    """A zero threshold would clip every gradient to nothing; 0 means no clipping instead. Both
+    values train side by side in one program, as --sweep max_grad_norm=0,1e-6 would."""
     config = purejaxrl_ppo.Config(
         num_envs=4, num_steps=16, num_minibatches=2, update_epochs=1, total_timesteps=128
     )
-    key = jax.random.PRNGKey(0)
+    trainer = purejaxrl_ppo.make_train(config)
+    max_grad_norms = np.array([0.0, 1e-6], np.float32)
+    hyperparams = jax.tree.map(lambda x: np.stack([x, x]), trainer.hyperparams)
+    hyperparams = hyperparams._replace(max_grad_norm=max_grad_norms)
 
-    def params_moved(max_grad_norm):
-        trainer = purejaxrl_ppo.make_train(dataclasses.replace(config, max_grad_norm=max_grad_norm))
-        state, _ = jax.jit(trainer.train)(key)
-        start = jax.vmap(trainer.init, (0, None), axis_name=DEVICE_AXIS)(
-            key[None], trainer.hyperparams
-        )
-        moved = jax.tree.map(lambda a, b: np.abs(a - b[0]).max(), state.params, start.params)
-        return max(jax.tree.leaves(moved))
+    def params_moved(key, hp):
+        start = trainer.init(key, hp)
+        state, _ = trainer.train_chunk(start, trainer.num_updates)
+        moved = jax.tree.map(lambda a, b: jnp.abs(a - b).max(), state.params, start.params)
+        return jnp.max(jnp.stack(jax.tree.leaves(moved)))
 
-    assert params_moved(0.0) > 10 * params_moved(1e-6) > 0
+    over_configs = jax.vmap(params_moved, in_axes=(None, 0))
+    on_device = jax.vmap(over_configs, in_axes=(0, None), axis_name=DEVICE_AXIS)  # size 1
+    unclipped, clipped = jax.jit(on_device)(jax.random.PRNGKey(0)[None], hyperparams)[0]
+    assert unclipped > 10 * clipped > 0
 
 
 # ---------------------------------------------------------------------------------------------
