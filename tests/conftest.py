@@ -4,8 +4,7 @@ import tempfile
 
 import pytest
 
-from tests.helpers import LLVM_LEVEL_FLAG, TINY_PPO
-from utils.devices import xla_flags_with
+from utils.devices import LLVM_LEVEL_FLAG, xla_flags_with
 
 # Tests never talk to wandb's servers.
 os.environ.setdefault("WANDB_MODE", "disabled")
@@ -26,7 +25,9 @@ os.environ["HYPOTHESIS_STORAGE_DIRECTORY"] = os.path.join(os.environ[_CACHE_VARI
 # backend works at optimisation level 0, which compiles fastest. The learning tests train for
 # tens of seconds, where code compiled at level 0 runs markedly slower; they run in
 # subprocesses at level 1 (`run_script(..., llvm_level=1)`). Subprocesses otherwise inherit
-# level 0. The timings are in docs/benchmarks.md, "Test suite".
+# level 0. The timings are in docs/benchmarks.md, "Test suite". This must come before anything
+# imports gymnax (tests.helpers does), for XLA reads the flags when that import starts JAX's
+# backend; xdist's workers and the subprocesses inherit them.
 if LLVM_LEVEL_FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = xla_flags_with(LLVM_LEVEL_FLAG, 0)
 
@@ -45,4 +46,6 @@ def pytest_unconfigure(config):
 @pytest.fixture
 def tiny_ppo_args(tmp_path):
     """A PPO CartPole run of 8 updates in 4 chunks: compiles in seconds, runs in a blink."""
+    from tests.helpers import TINY_PPO
+
     return ["--env", "CartPole", *TINY_PPO, "--no-progress", "--runs-dir", str(tmp_path / "runs")]

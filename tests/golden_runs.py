@@ -111,10 +111,19 @@ def record() -> None:
 
 if __name__ == "__main__":
     # The test session's conditions (tests/conftest.py): LLVM level 0, JAX's one CPU device.
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from tests.helpers import LLVM_LEVEL_FLAG
-    from utils.devices import xla_flags_with
+    # XLA reads XLA_FLAGS when JAX starts its backend, which importing this module (gymnax)
+    # has already done: without the flags, the recording restarts in a process that has them.
+    from utils.devices import LLVM_LEVEL_FLAG, xla_flags_with
 
-    os.environ["XLA_FLAGS"] = xla_flags_with(LLVM_LEVEL_FLAG, 0)
+    flags = xla_flags_with(LLVM_LEVEL_FLAG, 0)
+    if os.environ.get("XLA_FLAGS") != flags:
+        command = [sys.executable, "-m", "tests.golden_runs"]
+        os.execve(sys.executable, command, {**os.environ, "XLA_FLAGS": flags})
     os.environ.setdefault("WANDB_MODE", "disabled")
-    record()
+    # Compiled afresh: JAX's cache key leaves XLA_FLAGS out, so the per-user cache may hold
+    # the same programs compiled at another level.
+    with tempfile.TemporaryDirectory() as cache:
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", cache)
+        record()

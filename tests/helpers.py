@@ -15,7 +15,12 @@ import numpy as np
 from gymnax.environments.classic_control import cartpole
 
 from utils import checkpoint
-from utils.devices import DEVICE_AXIS, xla_flags_with, xla_flags_with_cpu_devices
+from utils.devices import (
+    DEVICE_AXIS,
+    LLVM_LEVEL_FLAG,
+    xla_flags_with,
+    xla_flags_with_cpu_devices,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -65,10 +70,6 @@ TINY_AZ = [
     "--baseline-sims", "4",
     "--cpu-devices", "0",
 ]  # fmt: skip
-
-
-# XLA:CPU's LLVM optimisation level, 0-3 (XLA's default: 3).
-LLVM_LEVEL_FLAG = "--xla_backend_optimization_level"
 
 
 def _script_env(devices=1, env_extra=None, llvm_level=None) -> dict:

@@ -42,6 +42,12 @@ def available_cores() -> int:
     return os.cpu_count() or 1
 
 
+# XLA:CPU's LLVM optimisation level, 0-3 (XLA's default: 3). XLA reads XLA_FLAGS once, when
+# JAX first initialises its backend: importing gymnax does, so a process that sets the flag
+# must do so before that import.
+LLVM_LEVEL_FLAG = "--xla_backend_optimization_level"
+
+
 def compile_for_one_call(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
     """Compile a program that runs once per run (the initial state, the evaluation after
     training). On CPU it compiles at LLVM optimisation level 0, about twice as fast
@@ -49,7 +55,7 @@ def compile_for_one_call(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
     may differ from level 3's in the last bit."""
     if jax.default_backend() != "cpu":
         return lowered.compile()
-    return lowered.compile(compiler_options={"xla_backend_optimization_level": 0})
+    return lowered.compile(compiler_options={LLVM_LEVEL_FLAG.removeprefix("--"): 0})
 
 
 def unroll_threefry_on_cpu(unrolled: bool = True) -> None:
