@@ -399,7 +399,11 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
     def make_optimizer(hp: HyperParams):
         # An infinite threshold never clips, so clipping can be switched off inside the program.
         max_norm = jnp.where(hp.max_grad_norm > 0, hp.max_grad_norm, jnp.inf)
-        return optax.chain(optax.clip_by_global_norm(max_norm), optax.adam(hp.learning_rate))
+        # On the parameters as one flat vector, as in purejaxrl_ppo.py: it compiles faster.
+        clipped_adam = optax.chain(
+            optax.clip_by_global_norm(max_norm), optax.adam(hp.learning_rate)
+        )
+        return optax.flatten(clipped_adam)
 
     def init(key, hp: HyperParams) -> TrainState:
         params_key, run_key = jax.random.split(key)

@@ -670,7 +670,11 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
         # 0 means no clipping (as in DQN), not a zero threshold that would stop all learning;
         # an infinite threshold never clips, so the switch stays inside the program.
         max_norm = jnp.where(hp.max_grad_norm > 0, hp.max_grad_norm, jnp.inf)
-        return optax.chain(optax.clip_by_global_norm(max_norm), optax.adam(learning_rate, eps=1e-5))
+        # On the parameters as one flat vector (optax.flatten): the same Adam arithmetic per
+        # element in a few kernels instead of several per array, which compiles faster.
+        return optax.flatten(
+            optax.chain(optax.clip_by_global_norm(max_norm), optax.adam(learning_rate, eps=1e-5))
+        )
 
     def init(key, hp: HyperParams) -> RunnerState:
         init_key, env_key = jax.random.split(key)
