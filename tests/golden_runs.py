@@ -120,8 +120,9 @@ if __name__ == "__main__":
         command = [sys.executable, "-m", "tests.golden_runs"]
         os.execve(sys.executable, command, {**os.environ, "XLA_FLAGS": flags})
     os.environ.setdefault("WANDB_MODE", "disabled")
-    # Compiled afresh: JAX's cache key leaves XLA_FLAGS out, so the per-user cache may hold
-    # the same programs compiled at another level.
+    # Compiled afresh. JAX's cache key hashes XLA_FLAGS as the environment holds them when a
+    # program compiles, not as XLA read them at start: a process that set them late (as this
+    # recorder once did) stored programs under keys that misdescribe them.
     with tempfile.TemporaryDirectory() as cache:
         import jax
 

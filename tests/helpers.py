@@ -74,9 +74,11 @@ TINY_AZ = [
 
 def _script_env(devices=1, env_extra=None, llvm_level=None) -> dict:
     """The environment of a script run: fake CPU devices, the session's LLVM optimisation level
-    unless `llvm_level` names another. JAX's compilation cache key leaves XLA_FLAGS out, so a
-    run at another level gets a cache of its own: a level-0 process that loaded programs
-    compiled at level 1, next to its own level-0 ones, played different 2048 games."""
+    unless `llvm_level` names another, which gets a cache directory of its own. JAX's cache
+    key hashes XLA_FLAGS as the environment holds them when a program compiles, not as XLA
+    read them at start, so a process that set them late stored programs under keys that
+    misdescribe them (a `-n 0` session did, until tests/conftest.py set them first). That is
+    the likely cause of the different 2048 games a level-0 process once played."""
     xla_flags = xla_flags_with_cpu_devices(devices)
     environment = dict(os.environ)
     if llvm_level is not None:
