@@ -63,7 +63,7 @@ from utils.devices import DEVICE_AXIS, device_mean, device_sum
 from utils.driver import run_training
 from utils.errors import ConfigError
 from utils.layers import Conv3x3
-from utils.trainer import Runtime, Trainer, hyperparams_of
+from utils.trainer import Runtime, Trainer, hyperparams_of, scan_updates
 
 
 @dataclasses.dataclass
@@ -1181,19 +1181,21 @@ def evaluate(state: TrainState, key, *, search_fn, evaluate_agent_fn, batch_norm
     return evaluate_agent_fn(agent, key)
 
 
-def train_chunk(state: TrainState, num_updates: int, *, iterate_fn, evaluate_fn):
-    """num_updates iterations (`iterate_fn`), then one evaluation (`evaluate_fn`); its metrics
-    sit at the chunk's last iteration and are NaN at the others. Returns (state, metrics
-    [num_updates] each, game records as they are)."""
-    state, metrics = jax.lax.scan(iterate_fn, state, None, num_updates)
+def train_chunk(state: TrainState, num_updates: int, num_active=None, *, iterate_fn, evaluate_fn):
+    """num_updates iterations (`iterate_fn`; the first num_active of them where given, see
+    utils/trainer.py), then one evaluation (`evaluate_fn`); its metrics sit at the chunk's last
+    iteration and are NaN at the others. Returns (state, metrics [num_updates] each, game
+    records as they are)."""
+    state, metrics = scan_updates(iterate_fn, state, num_updates, num_active)
     key, eval_key = jax.random.split(state.key)
     evaluation = evaluate_fn(state._replace(key=key), eval_key)
+    last = num_updates - 1 if num_active is None else num_active - 1
     nan = jnp.full(num_updates, jnp.nan, jnp.float32)
     for name, value in evaluation.items():
         if name.startswith("record_"):
             metrics[name] = value
         else:
-            metrics[name] = nan.at[-1].set(value.astype(jnp.float32))
+            metrics[name] = nan.at[last].set(value.astype(jnp.float32))
     return state._replace(key=key), metrics
 
 

@@ -43,7 +43,7 @@ from utils.envs import EPISODE_INFO, env_family, env_spec, episode_metrics, make
 from utils.errors import ConfigError
 from utils.evaluation import Policy, evaluate_policy, memoryless
 from utils.layers import Conv3x3
-from utils.trainer import Runtime, Trainer, hyperparams_of
+from utils.trainer import Runtime, Trainer, hyperparams_of, scan_updates
 
 
 @dataclasses.dataclass
@@ -529,8 +529,8 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
         }
         return state, metrics
 
-    def train_chunk(state: TrainState, num_updates: int):
-        return jax.lax.scan(_update_step, state, None, num_updates)
+    def train_chunk(state: TrainState, num_updates: int, num_active=None):
+        return scan_updates(_update_step, state, num_updates, num_active)
 
     def greedy_policy(state: TrainState) -> Policy:
         return memoryless(lambda obs: jnp.argmax(network.apply(state.params, obs), axis=-1))

@@ -37,7 +37,7 @@ from utils.envs import env_spec, episode_metrics, make_env
 from utils.errors import ConfigError
 from utils.evaluation import Policy, evaluate_policy
 from utils.layers import Conv3x3, orthogonal
-from utils.trainer import Runtime, Trainer, hyperparams_of
+from utils.trainer import Runtime, Trainer, hyperparams_of, scan_updates
 
 
 @dataclasses.dataclass
@@ -840,8 +840,8 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
         }
         return runner_state, metrics
 
-    def train_chunk(runner_state: RunnerState, num_updates: int):
-        return jax.lax.scan(_update_step, runner_state, None, num_updates)
+    def train_chunk(runner_state: RunnerState, num_updates: int, num_active=None):
+        return scan_updates(_update_step, runner_state, num_updates, num_active)
 
     def greedy_policy(runner_state: RunnerState) -> Policy:
         """The most likely action, on observations normalised by the statistics training ended

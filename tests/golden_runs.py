@@ -28,15 +28,18 @@ RECORDED = GOLDEN_DIR / "recorded.json"
 # The CartPole runs keep the learning rate they were recorded at when the preset moves.
 PPO_CARTPOLE = ["--env", "CartPole", *TINY_PPO, "--learning-rate", "2.5e-4"]
 DQN_CARTPOLE = [*TINY_DQN, "--learning-rate", "2.5e-4"]
+PPO_PENDULUM = ["--env", "Pendulum", *TINY_PPO, "--num-steps", "32", "--total-timesteps", "1024"]
+PPO_PENDULUM += ["--updates-per-chunk", "3"]
 RUNS = {
     "ppo_cartpole": ("purejaxrl_ppo", PPO_CARTPOLE),
-    "ppo_pendulum": (
-        "purejaxrl_ppo",
-        ["--env", "Pendulum", *TINY_PPO, "--num-steps", "32", "--total-timesteps", "1024"],
-    ),
+    # 8 updates in chunks of 3, 3 and 2: the last runs the others' program (utils/driver.py)
+    "ppo_pendulum": ("purejaxrl_ppo", PPO_PENDULUM),
     "ppo_cartpole_2_seeds": ("purejaxrl_ppo", [*PPO_CARTPOLE, "--num-seeds", "2"]),
     "dqn_cartpole": ("purejaxrl_dqn", DQN_CARTPOLE),
-    "dqn_cartpole_sweep": ("purejaxrl_dqn", [*DQN_CARTPOLE, "--sweep", "gamma=0.9,0.99"]),
+    "dqn_cartpole_sweep": (  # 128 updates in chunks of 12, the last of 8
+        "purejaxrl_dqn",
+        [*DQN_CARTPOLE, "--sweep", "gamma=0.9,0.99", "--updates-per-chunk", "12"],
+    ),
     "az_tic_tac_toe": ("purejaxrl_az", TINY_AZ),
 }
 # summary.json entries that the run computes (not timings or paths)

@@ -2,6 +2,7 @@
 references (the evaluation's oracle, rollouts and Elo: tests/test_board_eval.py); then whole
 runs (reproducibility, devices, bad input). Learning is in tests/test_learning.py."""
 
+import csv
 import functools
 import json
 import os
@@ -477,8 +478,9 @@ def test_run_outputs_reproducibility_resume_and_two_devices(tmp_path):
     """Two seeds x a sweep of two learning rates on two devices (--cpu-devices 2 restarts the
     process with the host split in two), vmapped through self-play, SGD and the in-loop
     evaluation, with --record-games; the same command again, interrupted after its
-    first chunk and resumed, gives the same numbers."""
-    flags = ["--num-seeds", "2", "--cpu-devices", "2", "--record-games"]
+    first chunk and resumed, gives the same numbers. Its 3 iterations make chunks of 2 and 1:
+    the last runs the first's program, and its evaluation lands on iteration 3."""
+    flags = ["--num-seeds", "2", "--cpu-devices", "2", "--record-games", "--num-iterations", "3"]
     flags += ["--sweep", "lr=1e-3,3e-3"]
     first = run_dir_of(run_script(*tiny_args(tmp_path / "a"), *flags))
     stopped = run_script(
@@ -519,7 +521,7 @@ def test_run_outputs_reproducibility_resume_and_two_devices(tmp_path):
         ".game_length",
     )
     assert_devices_share_all_but(checkpoint_state(purejaxrl_az, first), (*per_device, ".key"))
-    assert_game_records(first, last_evaluation=4)
+    assert_game_records(first, evaluations=(2, 3))
 
 
 # The biases of the layers whose outputs a BatchNorm normalises (the 3x3 convolutions and the
@@ -572,12 +574,13 @@ def test_seed_and_sweep_configuration_equal_single_runs(tmp_path):
             np.testing.assert_array_equal(x, y, err_msg=name)
 
 
-def assert_game_records(run_dir, last_evaluation):
-    """--record-games: one SVG animation per opponent and seat at each evaluation."""
+def assert_game_records(run_dir, evaluations):
+    """--record-games: one SVG animation per opponent and seat at each evaluation, and the
+    evaluation's metrics in metrics.csv at those iterations only."""
     names = sorted(os.listdir(os.path.join(run_dir, "games")))
     assert names == [
         f"iteration{update:06d}_{opponent}_agent_{seat}.svg"
-        for update in (last_evaluation // 2, last_evaluation)
+        for update in evaluations
         for opponent in ("mcts", "oracle", "random")
         for seat in ("first", "second")
     ]
@@ -586,7 +589,10 @@ def assert_game_records(run_dir, last_evaluation):
             svg = f.read()
         assert "<svg" in svg and "@keyframes" in svg  # a CSS animation of the moves
     with open(os.path.join(run_dir, "metrics.csv")) as f:
-        assert "record_" not in f.readline()
+        rows = list(csv.DictReader(f))
+    assert not any(name.startswith("record_") for name in rows[0])
+    for row in rows:  # one row per run and iteration
+        assert (row["eval_mcts_score"] != "nan") == (int(row["update"]) in evaluations), row
 
 
 def test_presets_help_and_game_names():

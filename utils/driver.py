@@ -8,9 +8,9 @@ contract of utils/trainer.py, in four stages that read top to bottom:
 2. `start_or_resume`: the initial state on the devices, or the latest checkpoint, while the
    first chunk's program compiles in a background thread (`_ChunkRunner.start_compiling`).
 3. `train_in_chunks`: `train_chunk` (a `lax.scan` over updates) under `pmap(vmap(...))`,
-   devices on the outer axis, runs on the inner one. Between chunks, and only there, the host
-   writes metrics.csv, wandb, the progress bar and an atomic checkpoint. With a single chunk
-   the whole run is exactly one scan.
+   devices on the outer axis, runs on the inner one, one compiled program for every chunk.
+   Between chunks, and only there, the host writes metrics.csv, wandb, the progress bar and
+   an atomic checkpoint. With a single chunk the whole run is exactly one scan.
 4. `report`: evaluation, video, the learning curve, summary.json (last) and the one-line result.
 
 `reevaluate` runs the final evaluation of a finished run again (--resume with --eval-episodes
@@ -88,17 +88,21 @@ def auto_updates_per_chunk(num_updates: int) -> int:
     return min(divisors, key=lambda d: abs(d - target)) if divisors else target
 
 
-def _over_runs(f: Callable, num_runs: int) -> Callable:
-    """`jax.vmap(f)` over the leading run axis (seeds x sweep configurations). A single run
-    goes unbatched and gets its axis back: a size-1 vmap still batches every gather and
-    scatter (mctx's tree updates, for one), which slows AlphaZero's self-play on CPU
+def _over_runs(f: Callable, num_runs: int, in_axes=0) -> Callable:
+    """`jax.vmap(f, in_axes)` over the leading run axis (seeds x sweep configurations). A
+    single run goes unbatched and gets its axis back: a size-1 vmap still batches every gather
+    and scatter (mctx's tree updates, for one), which slows AlphaZero's self-play on CPU
     (docs/benchmarks.md)."""
     if num_runs > 1:
-        return jax.vmap(f)
+        return jax.vmap(f, in_axes=in_axes)
 
     def single_run(*args):
-        out = f(*jax.tree.map(lambda x: x[0], args))
-        return jax.tree.map(lambda x: x[None], out)
+        axes = in_axes if isinstance(in_axes, tuple) else (in_axes,) * len(args)
+        args = [
+            a if axis is None else jax.tree.map(lambda x: x[0], a)
+            for a, axis in zip(args, axes, strict=True)
+        ]
+        return jax.tree.map(lambda x: x[None], f(*args))
 
     return single_run
 
@@ -529,73 +533,79 @@ def _in_background(compile_program: Callable) -> concurrent.futures.Future:
 
 
 class _ChunkRunner:
-    """`train_chunk` compiled once per chunk length, as pmap(vmap(chunk)) over the runs. The
-    same program checks the divergence guard's state (`_state_finite`), so that the check
-    costs neither a compilation nor a dispatch of its own. The first chunk's program can
-    compile in a background thread while the initial state compiles and runs
-    (`start_compiling`): XLA compiles a program on one core, and that core would idle."""
+    """`train_chunk` compiled once, as pmap(vmap(chunk)) over the runs. The same program checks
+    the divergence guard's state (`_state_finite`), so that the check costs neither a
+    compilation nor a dispatch of its own. Where no chunk length divides the updates left, the
+    program takes how many of its updates to run (`num_active`, see utils/trainer.py), and the
+    last, shorter chunk runs it too. It can compile in a background thread while the initial
+    state compiles and runs (`start_compiling`): XLA compiles a program on one core, and that
+    core would idle."""
 
-    def __init__(self, plan: RunPlan, clock: _Clock):
-        self.plan, self.clock, self.compiled = plan, clock, {}
-        self.abstract_state = None  # the state's shapes, once start_compiling has them
+    def __init__(self, plan: RunPlan, clock: _Clock, first_update: int):
+        self.plan, self.clock, self.compiled = plan, clock, None
         trainer = plan.trainer
+        # one length from the start, so that a resumed run compiles the program it started with
+        self.length = min(plan.chunk_len, trainer.num_updates)
+        self.masked = (trainer.num_updates - first_update) % self.length != 0
         self.check_state = trainer.guarded_state is not None and not plan.config.allow_nonfinite
 
-    def start_compiling(self, abstract_state, first_update: int) -> None:
-        """Begin compiling the chunk that trains from `first_update`, from the state's shapes;
-        `__call__` waits for it. A compiled pmap takes global arrays only: a run of several
-        processes compiles at its first call instead."""
-        num_updates = min(self.plan.chunk_len, self.plan.trainer.num_updates - first_update)
-        if self.plan.multi_process or num_updates <= 0:
+    def start_compiling(self, abstract_state) -> None:
+        """Begin compiling from the state's shapes; `__call__` waits for it. A compiled pmap
+        takes global arrays only: a run of several processes compiles at its first call
+        instead."""
+        if self.plan.multi_process:
             return
-        self.abstract_state = abstract_state
-        self._compile_in_background(num_updates)
+        program = self._program()
+        args = self._arguments(abstract_state, self.length)
+        self.compiled = _in_background(lambda: program.lower(*args).compile())
 
-    def start_compiling_last(self, first_update: int) -> None:
-        """Begin compiling the last chunk's program where the run from `first_update` ends with
-        a shorter chunk (no chunk length divides its updates), after `start_compiling`: on a
-        machine with a core to spare, the chunks before it train meanwhile."""
-        last = (self.plan.trainer.num_updates - first_update) % self.plan.chunk_len
-        if self.abstract_state is not None and last and last not in self.compiled:
-            self._compile_in_background(last)
+    def _arguments(self, state, num_updates: int) -> tuple:
+        return (state, np.int32(num_updates)) if self.masked else (state,)
 
-    def _compile_in_background(self, num_updates: int) -> None:
-        program, shapes = self._program(num_updates), self.abstract_state
-        self.compiled[num_updates] = _in_background(lambda: program.lower(shapes).compile())
+    def _program(self) -> Callable:
+        trainer, length, masked = self.plan.trainer, self.length, self.masked
 
-    def _program(self, num_updates: int) -> Callable:
-        trainer = self.plan.trainer
-
-        def chunk_and_check(state):
-            state, metrics = trainer.train_chunk(state, num_updates=num_updates)
+        def chunk_and_check(state, *num_active):
+            state, metrics = trainer.train_chunk(state, length, *num_active)
             finite = _state_finite(trainer.guarded_state(state)) if self.check_state else True
             return state, metrics, jnp.asarray(finite)
 
-        return jax.pmap(_over_runs(chunk_and_check, self.plan.num_runs), axis_name=DEVICE_AXIS)
+        in_axes = (0, None) if masked else 0
+        return jax.pmap(
+            _over_runs(chunk_and_check, self.plan.num_runs, in_axes),
+            axis_name=DEVICE_AXIS,
+            in_axes=in_axes,
+        )
 
     def __call__(self, state, num_updates: int):
-        """(new state, metrics {name: [runs, updates]}, each run's guarded state finite [runs])."""
-        program = self.compiled.get(num_updates)
-        if not callable(program):
+        """Train `num_updates` (the chunk's length, or fewer in a masked program's last chunk):
+        (new state, metrics {name: [runs, num_updates]}, each run's guarded state finite
+        [runs])."""
+        args = self._arguments(state, num_updates)
+        if not callable(self.compiled):
             start = time.perf_counter()
-            if program is not None:  # started by start_compiling
-                program = program.result()
+            if self.compiled is not None:  # started by start_compiling
+                self.compiled = self.compiled.result()
             elif self.plan.multi_process:
                 # A compiled pmap takes global arrays only; with several processes the pmapped
                 # function converts this process's arrays and reuses the compilation.
-                program = self._program(num_updates)
-                program.lower(state).compile()
+                self.compiled = self._program()
+                self.compiled.lower(*args).compile()
             else:
-                program = self._program(num_updates).lower(state).compile()
+                self.compiled = self._program().lower(*args).compile()
             self.clock.compile_seconds += time.perf_counter() - start
             interrupts.check()  # a stop asked for while compiling: before the chunk runs
-            self.compiled[num_updates] = program
         start = time.perf_counter()
-        state, metrics, finite = self.compiled[num_updates](state)
+        state, metrics, finite = self.compiled(*args)
         metrics, finite = jax.device_get((metrics, finite))
-        metrics = {k: np.asarray(v[0]) for k, v in metrics.items()}
         self.clock.train_seconds += time.perf_counter() - start
-        check_chunk_metrics(metrics, num_updates, self.plan.trainer.guarded_metrics)
+        check_chunk_metrics(
+            {k: v[0] for k, v in metrics.items()}, self.length, self.plan.trainer.guarded_metrics
+        )
+        metrics = {
+            k: np.asarray(v[0] if k.startswith("record_") else v[0, :, :num_updates])
+            for k, v in metrics.items()
+        }
         return state, metrics, np.asarray(finite[0])
 
 
@@ -1062,18 +1072,12 @@ def run_training(config, make_train: Callable, validate: Callable, return_state:
     with _run_lock(plan.run_dir):
         try:
             interrupts.check()  # a stop asked for while planning
-            run_chunk = _ChunkRunner(plan, clock)
-            first_update = plan.resume_update or 0
-
-            def start_compiling(abstract_state):
-                run_chunk.start_compiling(abstract_state, first_update)
-
-            state, start_update = start_or_resume(plan, clock, start_compiling)
+            run_chunk = _ChunkRunner(plan, clock, first_update=plan.resume_update or 0)
+            state, start_update = start_or_resume(plan, clock, run_chunk.start_compiling)
             wandb_sink = _wandb_sink(plan)
             evaluate_final = _FinalEvaluation(plan, clock)
 
             def after_first_chunk(state):
-                run_chunk.start_compiling_last(start_update)
                 if plan.is_main:
                     evaluate_final.start_compiling(state)
 

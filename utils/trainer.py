@@ -36,6 +36,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from utils.devices import DEVICE_AXIS
@@ -70,9 +71,12 @@ class Trainer:
     # per sweep configuration, and `train` uses these
     hyperparams: Any
     init: Callable  # (key, hyperparams) -> state
-    # (state, num_updates) -> (state, {name: [num_updates] float}); NaN means "nothing to report
-    # at this update" (no episode ended, no evaluation ran). Outputs named "record_*" have any
-    # shape and go to `write_records` instead of metrics.csv.
+    # (state, num_updates, num_active=None) -> (state, {name: [num_updates] float}); NaN means
+    # "nothing to report at this update" (no episode ended, no evaluation ran). Outputs named
+    # "record_*" have any shape and go to `write_records` instead of metrics.csv. `num_active`,
+    # where given, is a traced int32 in [1, num_updates]: only the first num_active updates
+    # train (`scan_updates` does both), so that a run's last, shorter chunk runs the program of
+    # the others and compiles nothing.
     train_chunk: Callable
     # (state, key) -> episode returns [episodes], run once after training; None for no
     # evaluation then (--eval-episodes 0, or a trainer that evaluates inside its chunks)
@@ -116,6 +120,31 @@ class Trainer:
 
         out = jax.vmap(whole_run, axis_name=DEVICE_AXIS)(key[None])
         return jax.tree.map(lambda x: x[0], out)
+
+
+def scan_updates(update_step: Callable, state, num_updates: int, num_active=None):
+    """`jax.lax.scan(update_step, state, None, num_updates)`: the body of a `train_chunk`.
+
+    With `num_active` (a traced int32 in [1, num_updates]) only the first num_active updates
+    run, in a loop of the same body, and the outputs of the others are NaN (zero where not
+    floating-point). The update is traced once: `jax.jit` caches its trace between the shape
+    query and the loop."""
+    if num_active is None:
+        return jax.lax.scan(update_step, state, None, num_updates)
+    update_step = jax.jit(update_step)
+    out_shapes = jax.eval_shape(update_step, state, None)[1]
+
+    def empty(shape):
+        fill = jnp.nan if jnp.issubdtype(shape.dtype, jnp.inexact) else 0
+        return jnp.full((num_updates, *shape.shape), fill, shape.dtype)
+
+    def _one_update(i, carry):
+        state, outs = carry
+        state, out = update_step(state, None)
+        return state, jax.tree.map(lambda o, x: o.at[i].set(x), outs, out)
+
+    outs = jax.tree.map(empty, out_shapes)
+    return jax.lax.fori_loop(0, num_active, _one_update, (state, outs))
 
 
 def hyperparams_of(hyperparams_type: type, config) -> Any:
