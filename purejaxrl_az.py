@@ -57,7 +57,13 @@ import optax
 import pgx
 
 from utils import board_play, game2048
-from utils.board_eval import evaluate_agent, opponents, solve_tic_tac_toe, write_game_records
+from utils.board_eval import (
+    OPPONENTS,
+    evaluate_agent,
+    opponents,
+    solve_tic_tac_toe,
+    write_game_records,
+)
 from utils.cli import RunConfig, exit_on_config_error, parse_config, require_in, require_positive
 from utils.devices import DEVICE_AXIS, device_mean, device_sum
 from utils.driver import run_training
@@ -137,6 +143,9 @@ class Config(RunConfig):
     """evaluation games per opponent, half with the agent moving first (0: no evaluation)"""
     baseline_sims: int = 64
     """simulations of the plain MCTS opponent (uniform priors, random-rollout values)"""
+    eval_opponents: tuple[str, ...] = ("random", "mcts")
+    """board games: the evaluation's opponents, each played from both seats: random, mcts
+    (plain MCTS of --baseline-sims simulations), oracle (tic_tac_toe's perfect player)"""
     expectimax_depth: int = 2
     """2048: moves the plain expectimax player looks ahead (its evaluation baseline)"""
     cpu_devices: int = 0
@@ -153,8 +162,12 @@ class Config(RunConfig):
 # 32 iterations of them, and explores with twice the Gumbel noise: at scale 1 self-play
 # settles on the prior's favourite among equally good moves, and the positions the minimax
 # player steers into are never trained on. The runs behind this: docs/alphazero.md, "Results".
+# Its evaluation plays the perfect player instead of plain MCTS, which that makes redundant and
+# which was a third of the chunk's compilation (docs/benchmarks.md).
 PRESETS = {
-    "tic_tac_toe": dict(num_games=128, buffer_size=65_536, gumbel_scale=2.0),
+    "tic_tac_toe": dict(
+        num_games=128, buffer_size=65_536, gumbel_scale=2.0, eval_opponents=("random", "oracle")
+    ),
     "connect_four": dict(
         num_iterations=300,
         num_games=128,
@@ -1264,7 +1277,9 @@ def validate(config: Config, runtime: Runtime) -> None:
     require_in(config, "expectimax_depth", 1, 3)
     if game == "2048":
         validate_single_player(config)
-    elif config.gamma != 1.0:
+    else:
+        validate_opponents(config, game)
+    if game != "2048" and config.gamma != 1.0:
         raise ConfigError(
             f"--gamma {config.gamma}: two-player games alternate sides between moves rather "
             "than discount; --gamma is for 2048"
@@ -1301,6 +1316,22 @@ def validate(config: Config, runtime: Runtime) -> None:
         )
 
 
+def validate_opponents(config: Config, game: str) -> None:
+    """--eval-opponents of a board game: known names, each once, oracle only where a solver
+    exists (tic_tac_toe)."""
+    names = config.eval_opponents
+    unknown = [name for name in names if name not in OPPONENTS]
+    if unknown or not names or len(set(names)) < len(names):
+        raise ConfigError(
+            f"--eval-opponents {' '.join(names) or '(none)'}: name each of {', '.join(OPPONENTS)} "
+            "at most once, and at least one (--eval-games 0 turns the evaluation off)"
+        )
+    if "oracle" in names and game != "tic_tac_toe":
+        raise ConfigError(
+            f"--eval-opponents oracle: there is a perfect player for tic_tac_toe only, not {game}"
+        )
+
+
 def validate_single_player(config: Config) -> None:
     """The settings 2048 refuses: those of the two-player machinery it does not use."""
     if config.search != "puct":
@@ -1319,9 +1350,10 @@ def validate_single_player(config: Config) -> None:
 
 def make_evaluate_agent(config: Config, env, num_devices: int, oracle_table):
     """(agent (games, key) -> moves, key) -> metrics: the in-loop evaluation on one device,
-    and its opponents by name. Board games: matches against random, plain MCTS and, for
-    tic_tac_toe, minimax (utils/board_eval.py); 2048: whole games beside a random and an
-    expectimax player (utils/game2048.py), no opponents."""
+    and its opponents by name. Board games: matches against --eval-opponents (random, plain
+    MCTS, tic_tac_toe's perfect player; utils/board_eval.py); 2048: whole games beside a
+    random and an expectimax player (utils/game2048.py), no opponents. tic_tac_toe's
+    evaluation judges the agent's moves against the perfect player's whichever it plays."""
     num_games = config.eval_games // num_devices
     if env.num_players == 1:
         return functools.partial(
@@ -1332,7 +1364,11 @@ def make_evaluate_agent(config: Config, env, num_devices: int, oracle_table):
             expectimax_depth=config.expectimax_depth,
         ), {}
     mcts_search = functools.partial(plain_search, env=env, num_simulations=config.baseline_sims)
-    players = opponents(env, mcts_search, oracle_table)
+    players = {
+        name: player
+        for name, player in opponents(env, mcts_search, oracle_table).items()
+        if name in config.eval_opponents
+    }
     return functools.partial(
         evaluate_agent,
         env=env,
@@ -1341,6 +1377,17 @@ def make_evaluate_agent(config: Config, env, num_devices: int, oracle_table):
         oracle_table=oracle_table,
         capture_video=config.record_games,
     ), players
+
+
+def headline_metric(config: Config, solo: bool) -> str:
+    """The score against the strongest opponent evaluated (2048: the game score); without an
+    evaluation, self-play's value loss."""
+    if not config.eval_games:
+        return "value_loss"
+    if solo:
+        return "eval_score"
+    strongest = [name for name in OPPONENTS if name in config.eval_opponents][-1]
+    return f"eval_{strongest}_score"
 
 
 def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
@@ -1421,11 +1468,7 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
         train_chunk=functools.partial(train_chunk, iterate_fn=iterate_fn, evaluate_fn=evaluate_fn),
         evaluate=None,
         runtime=runtime,
-        # the score against plain MCTS (2048: the game score); without an evaluation,
-        # self-play's value loss
-        headline_metric=(
-            ("eval_score" if solo else "eval_mcts_score") if config.eval_games else "value_loss"
-        ),
+        headline_metric=headline_metric(config, solo),
         step_unit="moves",
         updates_per_chunk=config.eval_every,
         write_records=functools.partial(write_game_records, env=env, opponent_names=tuple(players)),

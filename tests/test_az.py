@@ -31,6 +31,7 @@ from purejaxrl_az import (
     buffer_init,
     buffer_sample,
     buffer_update_targets,
+    headline_metric,
     make_recurrent_fn,
     make_train,
     masked_logits,
@@ -497,7 +498,7 @@ def test_run_outputs_reproducibility_resume_and_two_devices(tmp_path):
     with open(f"{first}/summary.json") as f:
         summary = json.load(f)
     assert summary["algo"] == "az" and summary["step_unit"] == "moves"
-    assert summary["headline_metric"] == "eval_mcts_score"
+    assert summary["headline_metric"] == "eval_oracle_score"  # tic_tac_toe's strongest
     assert summary["num_devices"] == 2
     ranking = summary["sweep"]["ranking"]
     assert sorted(r["hyperparams"]["learning_rate"] for r in ranking) == [1e-3, 3e-3]
@@ -581,7 +582,7 @@ def assert_game_records(run_dir, evaluations):
     assert names == [
         f"iteration{update:06d}_{opponent}_agent_{seat}.svg"
         for update in evaluations
-        for opponent in ("mcts", "oracle", "random")
+        for opponent in ("oracle", "random")
         for seat in ("first", "second")
     ]
     for name in names:
@@ -592,7 +593,24 @@ def assert_game_records(run_dir, evaluations):
         rows = list(csv.DictReader(f))
     assert not any(name.startswith("record_") for name in rows[0])
     for row in rows:  # one row per run and iteration
-        assert (row["eval_mcts_score"] != "nan") == (int(row["update"]) in evaluations), row
+        assert (row["eval_oracle_score"] != "nan") == (int(row["update"]) in evaluations), row
+
+
+@pytest.mark.parametrize(
+    "flags,headline",
+    [
+        (["--env", "tic_tac_toe"], "eval_oracle_score"),
+        (["--env", "tic_tac_toe", "--eval-opponents", "random", "mcts"], "eval_mcts_score"),
+        (["--env", "connect_four"], "eval_mcts_score"),
+        (["--env", "connect_four", "--eval-opponents", "random"], "eval_random_score"),
+        (["--env", "connect_four", "--eval-games", "0"], "value_loss"),
+        (["--env", "2048"], "eval_score"),
+    ],
+)
+def test_the_headline_is_the_score_against_the_strongest_opponent(flags, headline):
+    config = parse_config(Config, PRESETS, flags, preset_key=resolve_game)
+    validate(config, Runtime())
+    assert headline_metric(config, solo=flags[1] == "2048") == headline
 
 
 def test_presets_help_and_game_names():
@@ -627,6 +645,9 @@ def test_presets_help_and_game_names():
         (["--env", "2048", "--record-games"], "--play RUN_DIR"),
         (["--env", "2048", "--gamma", "0"], r"--gamma must be a finite number in \(0, 1\]"),
         (["--env", "2048", "--expectimax-depth", "4"], "--expectimax-depth"),
+        (["--eval-opponents", "random", "minimax"], "name each of random, mcts, oracle"),
+        (["--eval-opponents", "mcts", "mcts"], "at most once"),
+        (["--env", "connect_four", "--eval-opponents", "oracle"], "tic_tac_toe only"),
     ],
 )
 def test_bad_flags_raise_config_error(tmp_path, flags, match):
@@ -681,5 +702,7 @@ def test_the_in_loop_evaluation_runs_alone_to_evaluate_a_finished_run_again(tmp_
     metrics = jax.eval_shape(
         jax.vmap(evaluation, axis_name=DEVICE_AXIS), jax.random.PRNGKey(0)[None]
     )
-    assert {"eval_mcts_score", "eval_random_elo", "eval_optimal_move_rate"} <= set(metrics)
+    # tic_tac_toe's preset plays random and the perfect player, and judges every agent move
+    assert {"eval_oracle_score", "eval_random_elo", "eval_optimal_move_rate"} <= set(metrics)
+    assert not any(name.startswith("eval_mcts") for name in metrics)
     assert all(name.startswith("eval_") and v.shape == (1,) for name, v in metrics.items())

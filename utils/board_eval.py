@@ -28,6 +28,7 @@ import pgx
 from utils.devices import device_sum
 
 MAX_RECORDED_MOVES = 512  # a game record for --capture-video keeps at most this many moves
+OPPONENTS = ("random", "mcts", "oracle")  # `opponents`' names, weakest first
 
 
 # ---------------------------------------------------------------------------------------------
