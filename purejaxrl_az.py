@@ -1472,8 +1472,6 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
         step_unit="moves",
         updates_per_chunk=config.eval_every,
         write_records=functools.partial(write_game_records, env=env, opponent_names=tuple(players)),
-        # JAX's rolled CPU form: self-play runs slower unrolled (docs/benchmarks.md)
-        unrolled_threefry=False,
         guarded_metrics=("policy_loss", "value_loss"),
         guarded_state=lambda state: (state.params, state.batch_stats, state.opt_state),
         chunk_evaluation=evaluate_again if config.eval_games else None,

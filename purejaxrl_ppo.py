@@ -877,8 +877,6 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
         evaluate=evaluate if config.eval_episodes else None,
         runtime=runtime,
         video_policy=greedy_policy if config.capture_video else None,
-        # JAX's rolled CPU form: CartPole trains faster with it (docs/benchmarks.md)
-        unrolled_threefry=False,
         guarded_metrics=("policy_loss", "value_loss"),
         guarded_state=lambda runner_state: (runner_state.params, runner_state.opt_state),
     )

@@ -62,10 +62,9 @@ def unroll_threefry_on_cpu(unrolled: bool = True) -> None:
     """Lower JAX's threefry random-number hash on CPU as straight-line code (`unrolled`), the
     form JAX uses on GPU and TPU, instead of the five-round loop it emits on CPU to save compile
     time. The bits are the same; each random call becomes a few fused kernels instead of a
-    loop of small ones. DQN on CartPole, which draws random numbers several times per small
-    update, runs faster; PPO on CartPole and AlphaZero's self-play run slower, so their
-    trainers keep JAX's default (`Trainer.unrolled_threefry`). Compilation takes longer. The
-    figures are in docs/benchmarks.md. This uses JAX internals (pinned in requirements.txt;
+    loop of small ones. Compilation takes longer, and neither PPO, DQN nor AlphaZero trains
+    faster with it, so they keep JAX's default (`Trainer.unrolled_threefry`). The figures are
+    in docs/benchmarks.md. This uses JAX internals (pinned in requirements.txt;
     tests/test_devices.py checks them). It applies to programs lowered afterwards;
     `unrolled=False` restores JAX's CPU default."""
     from jax._src.interpreters import mlir
