@@ -1278,12 +1278,7 @@ def validate(config: Config, runtime: Runtime) -> None:
     if game == "2048":
         validate_single_player(config)
     else:
-        validate_opponents(config, game)
-    if game != "2048" and config.gamma != 1.0:
-        raise ConfigError(
-            f"--gamma {config.gamma}: two-player games alternate sides between moves rather "
-            "than discount; --gamma is for 2048"
-        )
+        validate_board_game(config, game)
     require_in(config, "learning_rate", 0.0, 1.0, above_low=True)
     require_in(config, "dirichlet_alpha", 0.0, above_low=True)
     for name in ("td_lambda", "dirichlet_fraction"):
@@ -1316,9 +1311,14 @@ def validate(config: Config, runtime: Runtime) -> None:
         )
 
 
-def validate_opponents(config: Config, game: str) -> None:
-    """--eval-opponents of a board game: known names, each once, oracle only where a solver
-    exists (tic_tac_toe)."""
+def validate_board_game(config: Config, game: str) -> None:
+    """The settings of a two-player board game: no discount, and --eval-opponents with known
+    names, each once, oracle only where a solver exists (tic_tac_toe)."""
+    if config.gamma != 1.0:
+        raise ConfigError(
+            f"--gamma {config.gamma}: two-player games alternate sides between moves rather "
+            "than discount; --gamma is for 2048"
+        )
     names = config.eval_opponents
     unknown = [name for name in names if name not in OPPONENTS]
     if unknown or not names or len(set(names)) < len(names):
