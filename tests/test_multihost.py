@@ -30,6 +30,9 @@ def free_port() -> int:
 
 
 def test_two_processes_train_like_one_process_with_two_devices(tiny_ppo_args, tmp_path):
+    """Its 8 updates in chunks of 3, 3 and 2: the last runs the others' program, told how many
+    of its updates to run, in every process."""
+    tiny_ppo_args = [*tiny_ppo_args[:-2], "--updates-per-chunk", "3", *tiny_ppo_args[-2:]]
     group = ["--coordinator-address", f"127.0.0.1:{free_port()}", "--num-processes", "2"]
     flags = [*tiny_ppo_args, "--cpu-devices", "1", *group]
     # One CPU device per process, at the session's LLVM level like the one-process run below.
@@ -66,6 +69,7 @@ def test_two_processes_train_like_one_process_with_two_devices(tiny_ppo_args, tm
     with open(os.path.join(two_processes, "summary.json")) as f:
         summary = json.load(f)
     assert summary["num_devices"] == 2 and summary["num_processes"] == 2
+    assert [end["update"] for end in summary["chunk_ends"]] == [3, 6, 8]
 
     result = run_script(
         "purejaxrl_ppo.py", *tiny_ppo_args[:-1], str(tmp_path / "single"), "--cpu-devices", "2"
