@@ -389,6 +389,16 @@ def test_fields_that_shape_the_program_stay_readable():
     assert trainer.num_updates == 8
 
 
+def test_a_train_chunk_without_num_active_is_refused():
+    def make_train(config, runtime):
+        trainer = make_stub()(config, runtime)
+        return dataclasses.replace(trainer, train_chunk=lambda state, num_updates: None)
+
+    with pytest.raises(TrainerContractError, match=r"\(state, num_updates, num_active=None\)"):
+        build_trainer(make_train, StubConfig(), Runtime())
+    build_trainer(make_stub(), StubConfig(), Runtime())  # the stub's takes it
+
+
 def test_the_config_is_never_mutated():
     def make_train(config, runtime):
         config.num_devices = 1

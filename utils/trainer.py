@@ -32,6 +32,7 @@ key.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -206,12 +207,20 @@ def _read_message(name: str) -> str:
 
 def build_trainer(make_train: Callable, config, runtime: Runtime) -> Trainer:
     """`make_train(config, runtime)` under the contract: the config's HyperParams fields are
-    unreadable to it and to the functions it returns."""
+    unreadable to it and to the functions it returns, and its `train_chunk` takes
+    `num_active`."""
     view = ConfigView(config)
     trainer = make_train(view, runtime)
     fields = type(trainer.hyperparams)._fields
     view.check_reads(fields)
     view.hide(fields)
+    try:
+        inspect.signature(trainer.train_chunk).bind(None, 1, 1)
+    except TypeError:
+        raise TrainerContractError(
+            "train_chunk must take (state, num_updates, num_active=None): the driver runs a "
+            "run's shorter last chunk with the other chunks' program (utils.trainer.scan_updates)"
+        ) from None
     return trainer
 
 
