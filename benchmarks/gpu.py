@@ -160,6 +160,13 @@ def main(args: Args) -> dict:
                 "wall_seconds": round(summary["wall_seconds"], 2),
                 "final": summary["final_mean"],
             }
+            write_json(args.out, results)  # a run cut short keeps the rows before it
+            row = results["runs"][name]
+            print(
+                f"{name}: {row['per_second_all_seeds']:,} {row['unit']}/s, "
+                f"compile {row['compile_seconds']} s, wall {row['wall_seconds']} s",
+                flush=True,
+            )
     if "time_to_skill" not in args.skip:  # last: it turns the compilation cache off
         skill = time_to_skill.main(
             time_to_skill.Args(seeds=1 if args.smoke else 3, cpu_devices=0, smoke=args.smoke)
@@ -175,11 +182,6 @@ def main(args: Args) -> dict:
         )
     results["total_seconds"] = round(time.perf_counter() - start, 1)
     write_json(args.out, results)
-    for name, row in results["runs"].items():
-        print(
-            f"{name}: {row['per_second_all_seeds']:,} {row['unit']}/s, "
-            f"compile {row['compile_seconds']} s, wall {row['wall_seconds']} s"
-        )
     return results
 
 
