@@ -444,8 +444,10 @@ def compute_gae(rewards, values, next_values, terminated, dones, gamma, gae_lamb
         advantage = delta + gamma * gae_lambda * (1.0 - done) * next_advantage
         return advantage, advantage
 
+    # Unrolled 16 steps per loop iteration, as PureJaxRL's GAE: on a GPU every iteration of a
+    # loop costs a launch and a check of its condition, and this body is one multiply-add.
     _, advantages = jax.lax.scan(
-        _backward_step, jnp.zeros_like(values[0]), (deltas, dones), reverse=True
+        _backward_step, jnp.zeros_like(values[0]), (deltas, dones), reverse=True, unroll=16
     )
     return advantages, advantages + values
 
