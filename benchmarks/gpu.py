@@ -11,10 +11,11 @@ seeds; PPO Breakout-MinAtar for 1e7 steps at its preset; PPO Craftax-Classic wit
 paper's 1024 envs; PPO on Brax's hopper with PureJaxRL's 2048 envs x 10 steps; DQN CartPole
 with 128 seeds; AlphaZero connect_four with 1024 games. Each row has steps (or moves) per
 second over all seeds, compile seconds and wall seconds. Then benchmarks/time_to_skill.py's
-default workloads, 3 seeds each (1 with --smoke), ours next to the anchors: its table goes into
-the JSON file as "time_to_skill" (leave it out with --skip time_to_skill). Last,
-benchmarks/yardstick.py's workloads, 2 rounds (1 of tiny runs with --smoke): its rows go in as
-"yardstick" (--skip yardstick).
+default workloads, 3 seeds each (--skill-seeds; 1 with --smoke), ours next to the anchors: its
+table goes into the JSON file as "time_to_skill" (leave it out with --skip time_to_skill). Last,
+benchmarks/yardstick.py's workloads, 2 rounds (--yardstick-rounds; 1 of tiny runs with --smoke):
+its rows go in as "yardstick" (--skip yardstick). docs/benchmarks.md ("GPU") says how long
+each part took on one GPU, for sizing a run to the time a machine is available.
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ class Args:
     skip: tuple[str, ...] = ()
     """names of runs to leave out (time_to_skill: the time-to-skill table; yardstick: the
     throughput table at the anchors' settings)"""
+    skill_seeds: int = 3
+    """seeds per side of each time-to-skill workload (1 with --smoke)"""
+    yardstick_rounds: int = 2
+    """rounds of the yardstick's table (1 with --smoke)"""
     dry_run: bool = False
     """parse and validate every run's flags, at full and smoke size, and train nothing"""
 
@@ -132,6 +137,13 @@ def dry_run() -> None:
 
 
 def main(args: Args) -> dict:
+    for flag, value in (
+        ("--skill-seeds", args.skill_seeds),
+        ("--yardstick-rounds", args.yardstick_rounds),
+    ):
+        if value < 1:
+            print(f"error: {flag} must be at least 1, got {value}.", file=sys.stderr)
+            raise SystemExit(2)
     if args.dry_run:
         dry_run()
         return {}
@@ -169,13 +181,15 @@ def main(args: Args) -> dict:
             )
     if "time_to_skill" not in args.skip:  # last: it turns the compilation cache off
         skill = time_to_skill.main(
-            time_to_skill.Args(seeds=1 if args.smoke else 3, cpu_devices=0, smoke=args.smoke)
+            time_to_skill.Args(
+                seeds=1 if args.smoke else args.skill_seeds, cpu_devices=0, smoke=args.smoke
+            )
         )
         results["time_to_skill"] = {k: skill[k] for k in ("seeds", "workloads", "table")}
     if "yardstick" not in args.skip:  # it too compiles without the cache
         results["yardstick"] = yardstick.main(
             yardstick.Args(
-                rounds=1 if args.smoke else 2,
+                rounds=1 if args.smoke else args.yardstick_rounds,
                 total_timesteps=12_000 if args.smoke else None,
                 progress=False,
             )

@@ -165,6 +165,14 @@ def test_every_gpu_benchmark_run_parses_and_validates():
         assert f"yardstick {name}: flags parse and validate" in result.stdout
 
 
+def test_gpu_benchmark_rejects_zero_seeds_or_rounds():
+    for flag in ("--skill-seeds", "--yardstick-rounds"):
+        result = run_script("benchmarks/gpu.py", "--dry-run", flag, "0")
+        assert result.returncode == 2
+        assert f"error: {flag} must be at least 1, got 0." in result.stderr
+        assert "flags parse and validate" not in result.stdout
+
+
 def test_time_to_skill_benchmark_runs(tmp_path):
     # Alone, not in a pair: the benchmark compiles every run from scratch, without the cache.
     # A threshold any run meets at its first chunk (an AlphaZero loss rate of at most 1 too).
