@@ -25,7 +25,8 @@ GOLDEN_DIR = Path(__file__).resolve().parent / "golden"
 RECORDED = GOLDEN_DIR / "recorded.json"
 
 # name -> (trainer module, flags). Every run uses one device.
-# The CartPole runs keep the learning rate they were recorded at when the preset moves.
+# The CartPole and tic_tac_toe runs keep the learning rate they were recorded at when the
+# preset moves.
 PPO_CARTPOLE = ["--env", "CartPole", *TINY_PPO, "--learning-rate", "2.5e-4"]
 DQN_CARTPOLE = [*TINY_DQN, "--learning-rate", "2.5e-4"]
 PPO_PENDULUM = ["--env", "Pendulum", *TINY_PPO, "--num-steps", "32", "--total-timesteps", "1024"]
@@ -40,7 +41,7 @@ RUNS = {
         "purejaxrl_dqn",
         [*DQN_CARTPOLE, "--sweep", "gamma=0.9,0.99", "--updates-per-chunk", "12"],
     ),
-    "az_tic_tac_toe": ("purejaxrl_az", TINY_AZ),
+    "az_tic_tac_toe": ("purejaxrl_az", [*TINY_AZ, "--learning-rate", "1e-3"]),
 }
 # summary.json entries that the run computes (not timings or paths)
 SUMMARY_KEYS = ("final_per_seed", "eval_return_per_seed", "final_metrics_per_seed")
