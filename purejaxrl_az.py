@@ -162,8 +162,8 @@ class Config(RunConfig):
 # 32 iterations of them, and explores with twice the Gumbel noise: at scale 1 self-play
 # settles on the prior's favourite among equally good moves, and the positions the minimax
 # player steers into are never trained on. It takes 16 gradient steps per iteration at twice
-# the learning rate: SGD is a small part of an iteration here, and 9 of 10 seeds then stop
-# losing to the perfect player by iteration 10 instead of 1 in 10. The runs behind this:
+# the learning rate: SGD is a small part of an iteration here, and learning more from each
+# iteration's games reaches perfect play in fewer iterations. The runs behind this:
 # docs/alphazero.md, "Results". Its evaluation plays the perfect player instead of plain MCTS,
 # which that makes redundant and which was a third of the chunk's compilation
 # (docs/benchmarks.md).
