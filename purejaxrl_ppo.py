@@ -444,10 +444,12 @@ def compute_gae(rewards, values, next_values, terminated, dones, gamma, gae_lamb
         advantage = delta + gamma * gae_lambda * (1.0 - done) * next_advantage
         return advantage, advantage
 
-    # Unrolled 16 steps per loop iteration, as PureJaxRL's GAE: on a GPU every iteration of a
-    # loop costs a launch and a check of its condition, and this body is one multiply-add.
+    # Off the CPU, unrolled 16 steps per loop iteration as PureJaxRL's GAE: there every
+    # iteration of a loop costs a launch and a check of its condition, and this body is one
+    # multiply-add. On the CPU unrolling only lengthens the compilation (docs/benchmarks.md).
+    unroll = 1 if jax.default_backend() == "cpu" else 16
     _, advantages = jax.lax.scan(
-        _backward_step, jnp.zeros_like(values[0]), (deltas, dones), reverse=True, unroll=16
+        _backward_step, jnp.zeros_like(values[0]), (deltas, dones), reverse=True, unroll=unroll
     )
     return advantages, advantages + values
 
