@@ -115,16 +115,36 @@ def _available_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _check_memory(trainer: Trainer, num_runs: int, num_devices: int) -> None:
-    """Refuse, with the estimate, a training state that cannot fit: its shapes come from
-    tracing `init` alone (nothing is allocated), times the runs on each device."""
-    hyperparams = jax.tree.map(lambda x: np.asarray(x)[None], trainer.hyperparams)
-    shapes = jax.eval_shape(
-        jax.vmap(trainer.init, axis_name=DEVICE_AXIS), jax.random.PRNGKey(0)[None], hyperparams
+def _init_program(trainer: Trainer) -> Callable:
+    """pmap over this process's devices of the runs' initial states: (keys [devices, runs, 2],
+    hyperparams, leaves [devices, runs]) -> state, leaves [devices, runs, ...]. Runs are
+    initialised one after another (lax.map), not vmapped: a batched LAPACK QR, as in
+    orthogonal weight init, can deadlock XLA:CPU's thread pool on small machines."""
+    return jax.pmap(
+        lambda keys, hyperparams: jax.lax.map(lambda run: trainer.init(*run), (keys, hyperparams)),
+        axis_name=DEVICE_AXIS,
     )
-    per_run = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(shapes))
-    local_devices = max(num_devices // jax.process_count(), 1)
-    needed = per_run * num_runs * (local_devices if jax.default_backend() == "cpu" else 1)
+
+
+def _state_shapes(init_program: Callable, trainer: Trainer, num_runs: int, local_devices: int):
+    """The training state's shapes, leaves [local devices, runs, ...], from tracing
+    `init_program` on abstract inputs: nothing is allocated, and the initial state's
+    compilation reuses this trace instead of tracing `init` again."""
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(
+            (local_devices, num_runs, *np.shape(x)), np.asarray(x).dtype
+        ),
+        (jax.random.PRNGKey(0), trainer.hyperparams),
+    )
+    return jax.eval_shape(init_program, *abstract)
+
+
+def _check_memory(state_shapes, num_runs: int, local_devices: int) -> None:
+    """Refuse, with the estimate, a training state (`_state_shapes`) that cannot fit: on the
+    CPU backend all devices share this host's memory."""
+    total = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(state_shapes))
+    per_run = total / (num_runs * local_devices)
+    needed = total if jax.default_backend() == "cpu" else total / local_devices
     available = _available_bytes()
     if needed > available:
         raise ConfigError(
@@ -371,6 +391,8 @@ class RunPlan:
     run_hyperparams: Any  # HyperParams, leaves [runs]
     run_columns: dict  # metrics.csv columns that name a run, one list entry per run
     local_devices: int  # the pmapped axis of this process
+    init_program: Callable  # `_init_program`: the initial state of every run
+    state_shapes: Any  # the training state's shapes, leaves [local_devices, runs, ...]
     multi_process: bool
     is_main: bool  # process 0, the only one that writes
     run_dir: str | None  # None on the other processes
@@ -439,9 +461,11 @@ def plan_runs(config, make_train: Callable, validate: Callable) -> RunPlan:
         if values:  # every sweep configuration gets the trainer's own checks
             validate(swept_config, runtime)
     config_hyperparams = [hyperparams_of(type(trainer.hyperparams), c) for c in swept]
-    _check_memory(trainer, len(overrides) * config.num_seeds, runtime.num_devices)
-
     num_configs_, num_seeds = len(overrides), config.num_seeds
+    local_devices = runtime.num_devices // jax.process_count()
+    init_program = _init_program(trainer)
+    state_shapes = _state_shapes(init_program, trainer, num_configs_ * num_seeds, local_devices)
+    _check_memory(state_shapes, num_configs_ * num_seeds, local_devices)
     run_seed = np.tile(np.arange(num_seeds), num_configs_)
     run_config = np.repeat(np.arange(num_configs_), num_seeds)
     run_columns = {"seed": run_seed.tolist()}
@@ -474,7 +498,9 @@ def plan_runs(config, make_train: Callable, validate: Callable) -> RunPlan:
         run_keys=run_keys,
         run_hyperparams=run_hyperparams,
         run_columns=run_columns,
-        local_devices=runtime.num_devices // jax.process_count(),
+        local_devices=local_devices,
+        init_program=init_program,
+        state_shapes=state_shapes,
         multi_process=multi_process,
         is_main=is_main,
         run_dir=run_dir,
@@ -498,17 +524,12 @@ def start_or_resume(plan: RunPlan, clock: _Clock, on_state_shapes: Callable | No
         jax.tree.map, lambda x: np.repeat(x[None], plan.local_devices, 0)
     )
     start = time.perf_counter()
-    # Runs are initialised one after another (lax.map), not vmapped: a batched LAPACK QR, as
-    # in orthogonal weight init, can deadlock XLA:CPU's thread pool on small machines.
-    init_runs = jax.pmap(
-        lambda keys, hyperparams: jax.lax.map(lambda run: trainer.init(*run), (keys, hyperparams)),
-        axis_name=DEVICE_AXIS,
-    )
+    init_runs = plan.init_program
     args = on_every_device((plan.run_keys, plan.run_hyperparams))
     if not plan.multi_process:  # a compiled pmap takes global arrays only
         lowered = init_runs.lower(*args)
         if on_state_shapes is not None:
-            on_state_shapes(jax.eval_shape(init_runs, *args))
+            on_state_shapes(plan.state_shapes)
         init_runs = compile_for_one_call(lowered)
     state = jax.block_until_ready(init_runs(*args))
     clock.compile_seconds += time.perf_counter() - start
