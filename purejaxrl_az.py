@@ -285,9 +285,13 @@ def resolve_game(name: str) -> str:
 
 
 def _dihedral(x, k: int):
-    """The k-th of the 8 rotations/reflections of the board in axes (0, 1) of x."""
-    x = jnp.rot90(x, k % 4, axes=(0, 1))
-    return jnp.swapaxes(x, 0, 1) if k >= 4 else x
+    """The k-th of the 8 rotations/reflections of the board in axes (0, 1) of x: k % 4
+    quarter turns as np.rot90 makes them, then for k >= 4 a transpose. Written with methods
+    that NumPy and JAX arrays share, so that action_permutations runs on the host instead of
+    compiling a small program per operation."""
+    for _ in range(k % 4):
+        x = x.swapaxes(0, 1)[::-1]
+    return x.swapaxes(0, 1) if k >= 4 else x
 
 
 # Per game: the board transforms (functions on arrays whose first two axes are the board) and
@@ -299,7 +303,7 @@ SYMMETRIES = {
     "go_9x9": ([functools.partial(_dihedral, k=k) for k in range(8)], (9, 9)),
     "go_19x19": ([functools.partial(_dihedral, k=k) for k in range(8)], (19, 19)),
     # Gravity: only the left-right mirror. Actions are columns, a 1-row grid.
-    "connect_four": ([lambda x: x, lambda x: jnp.flip(x, 1)], (1, 7)),
+    "connect_four": ([lambda x: x, lambda x: x[:, ::-1]], (1, 7)),
     # Each player's two edges stay theirs only under the half turn.
     "hex": ([lambda x: x, functools.partial(_dihedral, k=2)], (11, 11)),
     "2048": ([functools.partial(_dihedral, k=k) for k in range(8)], "directions"),
@@ -312,7 +316,7 @@ def direction_permutation(transform) -> np.ndarray:
     board a quarter turns, then slides left), so the transformed field of move a is the field
     of the move it becomes."""
     fields = [np.rot90(np.tile(np.arange(4), (4, 1)), -a) for a in range(4)]
-    moved = [np.asarray(transform(jnp.asarray(field))) for field in fields]
+    moved = [transform(field) for field in fields]
     return np.array([next(b for b in range(4) if (m == fields[b]).all()) for m in moved])
 
 
@@ -326,9 +330,9 @@ def action_permutations(game: str, num_actions: int) -> np.ndarray:
     if grid_shape == "directions":
         return np.stack([np.argsort(direction_permutation(t)) for t in transforms])
     num_cells = grid_shape[0] * grid_shape[1]
-    grid = jnp.arange(num_cells).reshape(grid_shape)
+    grid = np.arange(num_cells).reshape(grid_shape)
     extra = np.arange(num_cells, num_actions)
-    return np.stack([np.concatenate([np.asarray(t(grid)).ravel(), extra]) for t in transforms])
+    return np.stack([np.concatenate([t(grid).ravel(), extra]) for t in transforms])
 
 
 def augment_position(game: str, perms: np.ndarray, k, obs, legal, policy, action):
@@ -458,6 +462,14 @@ class MLPNet(nn.Module):
         return nn.Dense(self.num_actions)(x), value_head(x), value_head(x)
 
 
+def game_shapes(env) -> tuple[int, tuple[int, ...]]:
+    """(number of actions, observation shape) of a pgx game, from its initial state traced
+    abstractly: pgx's own env.num_actions and env.observation_shape run env.init, which
+    outside jit compiles a small program per operation."""
+    state = jax.eval_shape(env.init, jax.random.PRNGKey(0))
+    return state.legal_action_mask.shape[-1], state.observation.shape
+
+
 def make_networks(config: Config, env, *, one_run: bool) -> tuple[nn.Module, nn.Module]:
     """The ResNet for search and the same one for SGD (`learner`): one set of parameters,
     several ways to compute its convolutions (utils/layers.py). On boards of at most 3x3
@@ -467,12 +479,13 @@ def make_networks(config: Config, env, *, one_run: bool) -> tuple[nn.Module, nn.
     configurations (`one_run` False), the matmul form, since XLA's convolution gradient in a
     loop and its convolution with batched parameters are slow on CPU (docs/benchmarks.md).
     2048 gets its MLP."""
+    num_actions, observation_shape = game_shapes(env)
     if env.id == "2048":
-        network = MLPNet(env.num_actions, config.num_blocks, config.num_channels)
+        network = MLPNet(num_actions, config.num_blocks, config.num_channels)
         return network, network
-    small_board = max(env.observation_shape[:2]) <= 3
+    small_board = max(observation_shape[:2]) <= 3
     network = ResNet(
-        env.num_actions,
+        num_actions,
         config.num_blocks,
         config.num_channels,
         config.batch_norm,
@@ -1405,7 +1418,7 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
     num_devices = runtime.num_devices
     game = resolve_game(config.env)
     env = pgx.make(game)
-    num_actions = env.num_actions
+    num_actions, _ = game_shapes(env)
     perms = (
         action_permutations(game, num_actions) if config.augment else np.arange(num_actions)[None]
     )

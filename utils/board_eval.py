@@ -65,6 +65,7 @@ def solve_tic_tac_toe() -> np.ndarray:
     position's index is sum(cell * 3**i) over the cells in row-major order, with cell 0 empty,
     1 the mover's mark and 2 the opponent's."""
     lines = [(0, 1, 2), (3, 4, 5), (6, 7, 8), (0, 3, 6), (1, 4, 7), (2, 5, 8), (0, 4, 8), (2, 4, 6)]
+    lines_through = [[line for line in lines if cell in line] for cell in range(9)]
     table = np.full((3**9, 9), -2, np.int8)
 
     @functools.cache
@@ -75,7 +76,8 @@ def solve_tic_tac_toe() -> np.ndarray:
                 values.append(-2)
                 continue
             after = (*board[:cell], 1, *board[cell + 1 :])
-            if any(all(after[i] == 1 for i in line) for line in lines):
+            # a move can only complete a line through its own cell
+            if any(all(after[i] == 1 for i in line) for line in lines_through[cell]):
                 values.append(1)
             elif all(after):
                 values.append(0)
