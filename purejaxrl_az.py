@@ -466,7 +466,7 @@ def game_shapes(env) -> tuple[int, tuple[int, ...]]:
     """(number of actions, observation shape) of a pgx game, from its initial state traced
     abstractly: pgx's own env.num_actions and env.observation_shape run env.init, which
     outside jit compiles a small program per operation."""
-    state = jax.eval_shape(env.init, jax.random.PRNGKey(0))
+    state = jax.eval_shape(lambda: env.init(jax.random.PRNGKey(0)))
     return state.legal_action_mask.shape[-1], state.observation.shape
 
 
@@ -1422,7 +1422,7 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
     perms = (
         action_permutations(game, num_actions) if config.augment else np.arange(num_actions)[None]
     )
-    oracle_table = jnp.asarray(solve_tic_tac_toe()) if game == "tic_tac_toe" else None
+    oracle_table = jax.device_put(solve_tic_tac_toe()) if game == "tic_tac_toe" else None
     network, learner = make_networks(config, env, one_run=runtime.num_runs == 1)
 
     search_fn = functools.partial(

@@ -346,6 +346,27 @@ def test_games_without_symmetries_augment_to_themselves():
     assert action_permutations("animal_shogi", 132).shape == (1, 132)
 
 
+def test_building_the_trainer_compiles_nothing():
+    """make_train only plans: an eager jnp call or pgx's env.num_actions (which runs env.init)
+    would compile an XLA program before the first chunk can begin tracing. The caches are
+    cleared first, so that programs compiled by earlier tests cannot hide one."""
+    compiles = []
+
+    def on_event(event, seconds, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(seconds)
+
+    config = parse_config(Config, PRESETS, ["--env", "tic_tac_toe"], preset_key=resolve_game)
+    pgx.make("tic_tac_toe")  # pgx's game module, imported at its first make, builds arrays
+    jax.clear_caches()
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    try:
+        make_train(config)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_event)
+    assert compiles == []
+
+
 def test_loss_ignores_illegal_moves_and_masked_samples():
     logits = jnp.array([[2.0, 0.0, 50.0], [0.0, 0.0, 0.0]])
     legal = jnp.array([[True, True, False], [True, True, True]])
