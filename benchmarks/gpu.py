@@ -1,7 +1,7 @@
 """The accelerator benchmark: seven runs that show what one GPU does, the time-to-skill table
 and the throughput table at the anchors' settings, in one JSON file.
 
-    python benchmarks/gpu.py --out gpu.json             # on a CUDA machine
+    python benchmarks/gpu.py --out gpu.json             # on a GPU or TPU machine
     python benchmarks/gpu.py --smoke --out smoke.json   # the same runs, tiny, on any CPU
     python benchmarks/gpu.py --dry-run                  # parse and check every run's flags only
 
