@@ -515,7 +515,7 @@ class Transition(NamedTuple):
     --normalize-obs the observations are normalised and with --normalize-reward the reward is
     scaled, as the agent learns from them."""
 
-    obs: jax.Array  # [E, *obs_shape] the observation acted on
+    obs: jax.Array  # [E, obs_size] the observation acted on, flattened (see `stored`)
     start: jax.Array  # [E] bool, True where obs is the first observation of its episode
     action: jax.Array  # [E] int (discrete) or [E, action_dim] float (continuous)
     log_prob: jax.Array  # [E] of the action under the acting policy
@@ -523,7 +523,7 @@ class Transition(NamedTuple):
     reward: jax.Array  # [E]
     terminated: jax.Array  # [E] 1.0 where the episode ended in a terminal state
     truncated: jax.Array  # [E] 1.0 where a time limit cut the episode off
-    final_obs: jax.Array  # [E, *obs_shape] observation the step ended in, before any reset
+    final_obs: jax.Array  # [E, obs_size] observation the step ended in, before any reset
     memory: jax.Array  # [E, H] the policy's memory after acting on obs (() without --memory)
     episode_return: jax.Array  # [E] return of the episode that ended here (where done)
     episode_length: jax.Array  # [E]
@@ -641,6 +641,17 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
         )
         return value.reshape(obs.shape[:2])
 
+    # A rollout keeps its observations flattened, [T, E, obs_size], as PureJaxRL's flattening
+    # wrapper gives them: a TPU lays out an array's last two dimensions in tiles of 8 x 128, so
+    # a MinAtar observation [10, 10, 4] stored as it is would take 51 times its size.
+    def stored(obs):
+        """Observations [E, *obs_shape] as a rollout keeps them, [E, obs_size]."""
+        return obs.reshape(obs.shape[0], -1)
+
+    def unstored(obs):
+        """Stored observations [..., obs_size] in their env shape, [..., *obs_shape]."""
+        return obs.reshape(*obs.shape[:-1], *spec.obs_shape)
+
     # As CleanRL's wrappers do, the statistics first take in what the environments returned
     # (observations, not final observations; discounted returns), then scale it.
     def observe(normalizer: Normalizer, obs, final_obs):
@@ -741,7 +752,7 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
             )
             normalizer, reward = scale_reward(normalizer, reward, runner_state.starts, hp.gamma)
             transition = Transition(
-                runner_state.obs,
+                stored(runner_state.obs),
                 runner_state.starts,
                 action,
                 pi.log_prob(action),
@@ -749,7 +760,7 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
                 reward,
                 terminated.astype(jnp.float32),
                 truncated.astype(jnp.float32),
-                final_obs,
+                stored(final_obs),
                 memory,
                 info["episode_return"],
                 info["episode_length"],
@@ -775,7 +786,7 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
         _, _, last_value = policy_step(
             params, runner_state.memory, runner_state.obs, runner_state.starts
         )
-        final_values = continuation_values(params, traj.memory, traj.final_obs)
+        final_values = continuation_values(params, traj.memory, unstored(traj.final_obs))
         advantages, targets = rollout_targets(
             traj, last_value, final_values, hp.gamma, hp.gae_lambda
         )
@@ -787,7 +798,8 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
                 mb_memory, (mb_traj, mb_advantages, mb_targets) = minibatch
 
                 def _loss(params):
-                    _, pi, value = forward(params, mb_memory, mb_traj.obs, mb_traj.start)
+                    mb_obs = unstored(mb_traj.obs)
+                    _, pi, value = forward(params, mb_memory, mb_obs, mb_traj.start)
                     return ppo_loss(
                         pi.log_prob(mb_traj.action),
                         pi.entropy(),

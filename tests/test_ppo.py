@@ -298,6 +298,28 @@ def test_update_step_bootstraps_truncations_from_the_final_observation(monkeypat
     np.testing.assert_allclose(seen["targets"], targets, rtol=1e-4, atol=1e-5)
 
 
+def test_rollout_keeps_image_observations_flattened(monkeypatch):
+    """Breakout-MinAtar's observations [10, 10, 4] are kept [T, E, 400] by the rollout (a TPU
+    pads small trailing dimensions, docs/benchmarks.md): the flattened observations acted on,
+    whose critic values are those of the env-shaped ones, and, with --normalize-obs off, the
+    observations each step ended in."""
+    config = purejaxrl_ppo.Config(
+        env="Breakout", num_envs=4, num_steps=8, num_minibatches=2, total_timesteps=32
+    )
+    seen = train_one_update(purejaxrl_ppo, monkeypatch, config)
+    traj, start, end = seen["rollout"], seen["start"], seen["end"]
+    assert traj.obs.shape == traj.final_obs.shape == (8, 4, 400)
+    np.testing.assert_array_equal(traj.obs[0], np.reshape(start.obs, (4, 400)))
+    # where an episode ran on, the step ended in the observation the next step acted on
+    next_obs = np.concatenate([traj.obs[1:], np.reshape(end.obs, (1, 4, 400))])
+    running = np.asarray(traj.terminated + traj.truncated) == 0
+    assert running.any() and not running.all()
+    np.testing.assert_array_equal(traj.final_obs[running], next_obs[running])
+    env_shaped = np.reshape(traj.obs, (8, 4, 10, 10, 4))
+    value = network_of(config).apply(start.params, env_shaped, method=ActorCritic.value)
+    np.testing.assert_allclose(traj.value, value, rtol=1e-5, atol=1e-6)
+
+
 # ---------------------------------------------------------------------------------------------
 # Continuous actions
 # ---------------------------------------------------------------------------------------------
