@@ -201,12 +201,12 @@ class Transition(NamedTuple):
     """One step of every environment: leaves [E, ...] as stepped, [rows, E, ...] in the buffer
     and [B, n, ...] in a sampled batch of n-step windows."""
 
-    obs: jax.Array  # [E, *obs_shape] the observation acted on (uint8 for MinAtar)
+    obs: jax.Array  # [E, obs_size] the observation acted on, flattened (uint8 for MinAtar)
     action: jax.Array  # [E] int32
     reward: jax.Array  # [E]
     terminated: jax.Array  # [E] 1.0 where the episode ended in a terminal state
     truncated: jax.Array  # [E] 1.0 where a time limit cut the episode off
-    next_obs: jax.Array  # [E, *obs_shape] the observation the step led to, before any reset
+    next_obs: jax.Array  # [E, obs_size] the observation the step led to, before any reset
 
 
 # A circular buffer written here rather than taken from flashbax: thirty readable lines, no
@@ -392,6 +392,17 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
     # takes a quarter of the memory. The network casts back to float32.
     obs_dtype = jnp.uint8 if env_family(spec.env_id) == "minatar" else jnp.float32
 
+    # The buffer keeps observations flattened, [rows, E, obs_size]: a TPU lays out an array's
+    # last two dimensions in tiles (8 x 128 for float32, 32 x 128 for uint8), so MinAtar's
+    # [10, 10, 4] kept as it is would take about a hundred times its size.
+    def stored(obs):
+        """Observations [E, *obs_shape] as the buffer keeps them, [E, obs_size]."""
+        return obs.reshape(obs.shape[0], -1).astype(obs_dtype)
+
+    def q_values(params, obs):
+        """Q-values [B, A] of stored observations [B, obs_size]."""
+        return network.apply(params, obs.reshape(obs.shape[0], *spec.obs_shape))
+
     network = QNetwork(
         spec.num_actions, tuple(config.hidden_sizes), config.dueling, len(spec.obs_shape) == 3
     )
@@ -415,9 +426,8 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
         )
         params = network.init(params_key, obs)
         zeros = jnp.zeros(envs_per_device, jnp.float32)
-        stored_obs = obs.astype(obs_dtype)
         example = Transition(
-            stored_obs, jnp.zeros(envs_per_device, jnp.int32), zeros, zeros, zeros, stored_obs
+            stored(obs), jnp.zeros(envs_per_device, jnp.int32), zeros, zeros, zeros, stored(obs)
         )
         return TrainState(
             params=params,
@@ -452,12 +462,12 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
                 env.step, in_axes=(0, 0, 0, None)
             )(jax.random.split(step_key, envs_per_device), state.env_state, action, env_params)
             transition = Transition(
-                state.obs.astype(obs_dtype),
+                stored(state.obs),
                 action,
                 reward.astype(jnp.float32),
                 terminated.astype(jnp.float32),
                 truncated.astype(jnp.float32),
-                info["final_observation"].astype(obs_dtype),
+                stored(info["final_observation"]),
             )
             episode = (terminated | truncated, *(info[k] for k in EPISODE_INFO))
             state = state._replace(
@@ -477,14 +487,14 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
             batch = buffer_sample(state.buffer, key, batch_per_device, config.n_step)
             targets = td_targets(
                 batch,
-                functools.partial(network.apply, state.target_params),
-                functools.partial(network.apply, params),
+                functools.partial(q_values, state.target_params),
+                functools.partial(q_values, params),
                 hp.gamma,
                 config.double_dqn,
             )
 
             def _loss(params):
-                q = network.apply(params, batch.obs[:, 0])
+                q = q_values(params, batch.obs[:, 0])
                 q_taken = jnp.take_along_axis(q, batch.action[:, :1], axis=-1)[:, 0]
                 return td_loss(q_taken, targets, config.loss), q_taken.mean()
 
