@@ -334,6 +334,16 @@ def test_checkpoint_reads_back_every_dtype_and_the_orbax_format_of_earlier_versi
         np.testing.assert_array_equal(restored[name], np.asarray(leaf))
 
 
+def test_checkpoint_of_a_state_in_other_shapes_is_refused_and_kept(tmp_path):
+    """A checkpoint whose leaves have other shapes than the config's state (another seed
+    count, or a version that stored its buffer env-shaped) is a ConfigError, left on disk."""
+    checkpoint.save(str(tmp_path), 1, {"obs": np.zeros((4, 10, 10, 4), np.uint8)}, {"update": 1})
+    with pytest.raises(ConfigError, match="does not match this config's state"):
+        checkpoint.restore(str(tmp_path), {"obs": np.zeros((4, 400), np.uint8)})
+    restored, _ = checkpoint.restore(str(tmp_path), {"obs": np.ones((4, 10, 10, 4), np.uint8)})
+    np.testing.assert_array_equal(restored["obs"], 0)
+
+
 def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):
     state = {"w": np.arange(3.0)}
     checkpoint.save(str(tmp_path), 1, state, {"update": 1})

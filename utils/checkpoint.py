@@ -136,6 +136,7 @@ def restore(directory: str, template):
     if not shapes_match:
         raise ConfigError(
             f"--resume: the checkpoint in {directory!r} does not match this config's state "
-            "(different devices, seeds or network?)"
+            "(different devices, seeds or network, or written by a version of the trainer "
+            "that kept its state in other shapes?)"
         )
     return jax.tree.unflatten(treedef, leaves), meta
