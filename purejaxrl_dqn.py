@@ -392,6 +392,10 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
     # takes a quarter of the memory. The network casts back to float32.
     obs_dtype = jnp.uint8 if env_family(spec.env_id) == "minatar" else jnp.float32
 
+    network = QNetwork(
+        spec.num_actions, tuple(config.hidden_sizes), config.dueling, len(spec.obs_shape) == 3
+    )
+
     # The buffer keeps observations flattened, [rows, E, obs_size]: a TPU lays out an array's
     # last two dimensions in tiles (8 x 128 for float32, 32 x 128 for uint8), so MinAtar's
     # [10, 10, 4] kept as it is would take about a hundred times its size.
@@ -402,10 +406,6 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
     def q_values(params, obs):
         """Q-values [B, A] of stored observations [B, obs_size]."""
         return network.apply(params, obs.reshape(obs.shape[0], *spec.obs_shape))
-
-    network = QNetwork(
-        spec.num_actions, tuple(config.hidden_sizes), config.dueling, len(spec.obs_shape) == 3
-    )
 
     def make_optimizer(hp: HyperParams):
         # An infinite threshold never clips, so clipping can be switched off inside the program.
