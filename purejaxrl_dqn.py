@@ -426,8 +426,9 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
         )
         params = network.init(params_key, obs)
         zeros = jnp.zeros(envs_per_device, jnp.float32)
+        stored_obs = stored(obs)
         example = Transition(
-            stored(obs), jnp.zeros(envs_per_device, jnp.int32), zeros, zeros, zeros, stored(obs)
+            stored_obs, jnp.zeros(envs_per_device, jnp.int32), zeros, zeros, zeros, stored_obs
         )
         return TrainState(
             params=params,
