@@ -103,8 +103,8 @@ class Config(EpisodeRunConfig):
 # "minatar" is PureJaxRL's MinAtar setting (64 envs x 128 steps, 2 x 64 relu units) with half
 # its learning rate, three times its entropy bonus, and each rollout's 32 Adam steps taken as 2
 # epochs of 16 minibatches instead of 4 epochs of 8: the rate and bonus keep Breakout from
-# stalling where PureJaxRL's own values do, and the half as many passes over each rollout
-# train more env steps a second at about the same return. The MLP torso, not "cnn", because
+# stalling where PureJaxRL's own values do, and half as many passes over each rollout train
+# more env steps a second at about the same return. The MLP torso, not "cnn", because
 # XLA:CPU runs the convolution slowly.
 # The runs behind these choices: docs/ppo.md, "Results".
 PRESETS = {
