@@ -216,6 +216,21 @@ def test_sweep_configuration_equals_a_single_run(tmp_path):
     ]
 
 
+def test_a_headline_metric_never_reported_ends_the_run_without_numpy_warnings(tmp_path):
+    """No run reported its headline metric (no episode ended in a short run, here NaN from the
+    first update): final_mean and final_std are NaN, in the summary and in the sweep's ranking,
+    and no NumPy warning about an empty mean reaches the user's terminal."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        summary = train(
+            tmp_path, nan_at=1, allow_nonfinite=True, num_seeds=2, sweep=("rate=0.5,0.25",)
+        )
+    assert np.isnan(summary["final_per_seed"]).all()
+    assert np.isnan(summary["final_mean"]) and np.isnan(summary["final_std"])
+    for entry in summary["sweep"]["ranking"]:
+        assert np.isnan(entry["final_mean"]) and np.isnan(entry["final_std"])
+
+
 def test_every_sweep_configuration_is_validated_before_anything_is_written(tmp_path):
     with pytest.raises(ConfigError, match=r"--rate must be >= 0, got -1\.0"):
         train(tmp_path, sweep=("rate=0.5,-1",))

@@ -347,6 +347,17 @@ def _last_reported(
     return last
 
 
+def _mean_and_std(finals: list[float]) -> tuple[float, float]:
+    """Mean and standard deviation of the runs' final values, leaving out runs with none (NaN:
+    no episode ended in a short run); NaN and NaN if no run has one, without NumPy's warning
+    about an empty mean reaching the user's terminal."""
+    values = np.asarray(finals, dtype=float)
+    values = values[~np.isnan(values)]
+    if not values.size:
+        return float("nan"), float("nan")
+    return float(values.mean()), float(values.std())
+
+
 def _sweep_ranking(overrides: list[dict], finals: list[float], evals: list[float]) -> list[dict]:
     """One entry per configuration, best mean final value first (NaN last), with the spread
     over its seeds."""
@@ -355,12 +366,13 @@ def _sweep_ranking(overrides: list[dict], finals: list[float], evals: list[float
     for k, values in enumerate(overrides):
         of_config = slice(k * num_seeds, (k + 1) * num_seeds)
         config_finals, config_evals = finals[of_config], evals[of_config]
+        final_mean, final_std = _mean_and_std(config_finals)
         ranking.append(
             {
                 "config": k,
                 "hyperparams": values,
-                "final_mean": float(np.nanmean(config_finals)),
-                "final_std": float(np.nanstd(config_finals)),
+                "final_mean": final_mean,
+                "final_std": final_std,
                 "final_per_seed": config_finals,
                 "eval_return_mean": float(np.mean(config_evals)),
                 "eval_return_per_seed": config_evals,
@@ -884,6 +896,7 @@ def _summary(
     totals = clock.totals(end_update)
     steps_done = (end_update - start_update) * trainer.steps_per_update * num_runs
     steps_per_second = steps_done / max(clock.train_seconds, 1e-9)
+    final_mean, final_std = _mean_and_std(final_values)
     summary = {
         "algo": trainer.algo,
         "env_id": trainer.env_id,
@@ -895,8 +908,8 @@ def _summary(
         "env_steps_per_seed": trainer.num_updates * trainer.steps_per_update,
         "headline_metric": trainer.headline_metric,
         "final_per_seed": final_values,
-        "final_mean": float(np.nanmean(final_values)),
-        "final_std": float(np.nanstd(final_values)),
+        "final_mean": final_mean,
+        "final_std": final_std,
         **evaluation_fields,
         "final_metrics_per_seed": _last_reported(columns, metric_names, num_seeds, num_runs),
         "step_unit": trainer.step_unit,
