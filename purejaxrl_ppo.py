@@ -85,6 +85,9 @@ class Config(EpisodeRunConfig):
     """hidden activation"""
     torso: Literal["mlp", "cnn"] = "mlp"
     """mlp: flattened observation; cnn: a 3x3 convolution first (image observations only)"""
+    shared_torso: bool = False
+    """actor and critic share the torso and first hidden layer, each keeping its second hidden
+    layer and head (--memory gru always shares them)"""
     memory: Literal["none", "gru"] = "none"
     """gru: a GRU of hidden-size units between the torso and the heads, carried through each
     episode and reset where one starts, for envs the last observation does not describe;
@@ -239,12 +242,15 @@ def action_distribution(out, discrete: bool, log_std=None):
 
 
 class ActorCritic(nn.Module):
-    """Separate actor and critic networks (CleanRL's layout and orthogonal initialisation).
+    """The actor and the critic (CleanRL's layout and orthogonal initialisation).
 
     Each is a torso, two hidden layers and a linear head. The "mlp" torso flattens the
     observation; the "cnn" torso first applies a 16-channel 3x3 convolution, as the MinAtar
-    paper's networks do, so that positions on the grid stay comparable. Continuous actions get
-    a state-independent log std.
+    paper's networks do, so that positions on the grid stay comparable. By default the two are
+    separate networks. With `shared_torso` they share the torso and the first hidden layer and
+    keep a second hidden layer and a head each (RecurrentActorCritic's layout without its GRU):
+    on a large observation (MinAtar's 400 inputs) that first layer is most of the arithmetic.
+    Continuous actions get a state-independent log std.
     """
 
     num_actions: int
@@ -253,36 +259,57 @@ class ActorCritic(nn.Module):
     hidden_size: int
     activation: str
     torso: str
+    shared_torso: bool = False
 
     def setup(self):
         activation = nn.tanh if self.activation == "tanh" else nn.relu
 
-        def network(out_size, out_scale):
+        def torso():
             layers = []
             if self.torso == "cnn":
                 layers += [Conv3x3(16, kernel_init=orthogonal(np.sqrt(2))), activation]
             layers += [lambda x: x.reshape(*x.shape[: x.ndim - self.obs_ndim], -1)]
-            for _ in range(2):
-                layers += [nn.Dense(self.hidden_size, kernel_init=orthogonal(np.sqrt(2)))]
-                layers += [activation]
-            layers += [nn.Dense(out_size, kernel_init=orthogonal(out_scale))]
-            return nn.Sequential(layers)
+            return [
+                *layers,
+                nn.Dense(self.hidden_size, kernel_init=orthogonal(np.sqrt(2))),
+                activation,
+            ]
 
-        self.actor = network(self.num_actions, 0.01)
-        self.critic = network(1, 1.0)
+        def head(out_size, out_scale):
+            return [
+                nn.Dense(self.hidden_size, kernel_init=orthogonal(np.sqrt(2))),
+                activation,
+                nn.Dense(out_size, kernel_init=orthogonal(out_scale)),
+            ]
+
+        if self.shared_torso:
+            self.shared = nn.Sequential(torso())
+            self.actor = nn.Sequential(head(self.num_actions, 0.01))
+            self.critic = nn.Sequential(head(1, 1.0))
+        else:
+            self.actor = nn.Sequential([*torso(), *head(self.num_actions, 0.01)])
+            self.critic = nn.Sequential([*torso(), *head(1, 1.0)])
         if not self.discrete:
             self.log_std = self.param("log_std", nn.initializers.zeros, (self.num_actions,))
 
     def __call__(self, obs):
-        return self.policy(obs), self.value(obs)
+        features = self.features(obs)  # the shared torso runs once for both
+        return self._policy_of(features), self.critic(features)[..., 0]
+
+    def features(self, obs):
+        """What the heads see: the shared torso's output, or the observation itself."""
+        return self.shared(obs) if self.shared_torso else obs
 
     def policy(self, obs):
-        return action_distribution(
-            self.actor(obs), self.discrete, None if self.discrete else self.log_std
-        )
+        return self._policy_of(self.features(obs))
 
     def value(self, obs):
-        return self.critic(obs)[..., 0]
+        return self.critic(self.features(obs))[..., 0]
+
+    def _policy_of(self, features):
+        return action_distribution(
+            self.actor(features), self.discrete, None if self.discrete else self.log_std
+        )
 
 
 class ResettingGRU(nn.Module):
@@ -353,15 +380,10 @@ class RecurrentActorCritic(nn.Module):
 
 def make_network(config: Config, spec) -> ActorCritic | RecurrentActorCritic:
     """The actor-critic of this config for an env of this `EnvSpec`."""
-    network = RecurrentActorCritic if config.memory == "gru" else ActorCritic
-    return network(
-        spec.num_actions,
-        spec.discrete,
-        len(spec.obs_shape),
-        config.hidden_size,
-        config.activation,
-        config.torso,
-    )
+    sizes = (spec.num_actions, spec.discrete, len(spec.obs_shape), config.hidden_size)
+    if config.memory == "gru":  # actor and critic always share its torso and GRU
+        return RecurrentActorCritic(*sizes, config.activation, config.torso)
+    return ActorCritic(*sizes, config.activation, config.torso, config.shared_torso)
 
 
 # ---------------------------------------------------------------------------------------------

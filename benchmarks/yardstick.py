@@ -89,7 +89,7 @@ def _ppo_flags(s) -> tuple[str, ...]:
         *("--learning-rate", str(s.learning_rate), "--num-envs", str(s.num_envs)),
         *("--num-steps", str(s.num_steps), "--update-epochs", str(s.update_epochs)),
         *("--num-minibatches", str(s.num_minibatches), "--activation", s.activation),
-        *("--ent-coef", str(s.ent_coef), "--hidden-size", "64"),
+        *("--ent-coef", str(s.ent_coef), "--hidden-size", "64", "--no-shared-torso"),
     )
 
 

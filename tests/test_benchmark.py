@@ -121,6 +121,7 @@ def test_yardstick_runs_ours_at_each_anchors_settings():
             if field != "total_timesteps":  # the workload's own
                 assert getattr(config, "clip_coef" if field == "clip_eps" else field) == value
         assert (config.hidden_size, config.torso, config.anneal_lr) == (64, "mlp", True)
+        assert not config.shared_torso  # two networks, as PureJaxRL's
         assert config.clip_vloss and config.norm_adv and not config.normalize_obs
     config = ours("dqn_cartpole")
     assert config.num_envs == references.DQN_NUM_ENVS

@@ -59,6 +59,16 @@ def test_preset_defaults_and_overrides():
     assert config.env == "CartPole" and config.num_seeds == 3 and config.learning_rate == 1e-3
 
 
+def test_an_envs_own_preset_refines_its_familys():
+    presets = {"minatar": {"num_envs": 8, "ent_coef": 0.5}, "Breakout-MinAtar": {"num_envs": 4}}
+    config = parse_config(Config, presets, ["--env", "Breakout"])
+    assert (config.num_envs, config.ent_coef) == (4, 0.5)
+    config = parse_config(Config, presets, ["--env", "Asterix"])
+    assert (config.num_envs, config.ent_coef) == (8, 0.5)
+    config = parse_config(Config, presets, ["--env", "Breakout-MinAtar", "--num-envs", "2"])
+    assert (config.num_envs, config.ent_coef) == (2, 0.5)
+
+
 def test_help_names_every_flag_and_says_breakout_is_minatar():
     result = run_script("purejaxrl_ppo.py", "--help")
     assert result.returncode == 0, result.stderr

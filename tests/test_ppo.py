@@ -298,13 +298,19 @@ def test_update_step_bootstraps_truncations_from_the_final_observation(monkeypat
     np.testing.assert_allclose(seen["targets"], targets, rtol=1e-4, atol=1e-5)
 
 
-def test_rollout_keeps_image_observations_flattened(monkeypatch):
+@pytest.mark.parametrize("shared_torso", [False, True])
+def test_rollout_keeps_image_observations_flattened(monkeypatch, shared_torso):
     """Breakout-MinAtar's observations [10, 10, 4] are kept [T, E, 400] by the rollout (a TPU
     pads small trailing dimensions, docs/benchmarks.md): the flattened observations acted on,
     whose critic values are those of the env-shaped ones, and, with --normalize-obs off, the
-    observations each step ended in."""
+    observations each step ended in. With separate networks and with a shared torso."""
     config = purejaxrl_ppo.Config(
-        env="Breakout", num_envs=4, num_steps=8, num_minibatches=2, total_timesteps=32
+        env="Breakout",
+        num_envs=4,
+        num_steps=8,
+        num_minibatches=2,
+        total_timesteps=32,
+        shared_torso=shared_torso,
     )
     seen = train_one_update(purejaxrl_ppo, monkeypatch, config)
     traj, start, end = seen["rollout"], seen["start"], seen["end"]
@@ -318,6 +324,40 @@ def test_rollout_keeps_image_observations_flattened(monkeypatch):
     env_shaped = np.reshape(traj.obs, (8, 4, 10, 10, 4))
     value = network_of(config).apply(start.params, env_shaped, method=ActorCritic.value)
     np.testing.assert_allclose(traj.value, value, rtol=1e-5, atol=1e-6)
+
+
+def test_a_shared_torso_is_one_first_layer_that_both_heads_train():
+    """--shared-torso: actor and critic read one flattening and first hidden layer (on Breakout
+    the [400, 64] kernel, held once), then a hidden layer and a head each. The network gives
+    the same policy and value together as one at a time, and the gradients of the policy
+    alone and of the value alone both reach the shared layer."""
+    obs = jax.random.bernoulli(jax.random.PRNGKey(0), 0.2, (5, 10, 10, 4)).astype(jnp.float32)
+    network = network_of(purejaxrl_ppo.Config(env="Breakout", shared_torso=True))
+    params = network.init(jax.random.PRNGKey(1), obs)
+    shapes = jax.tree.map(np.shape, params["params"])
+    assert shapes["shared"]["layers_1"]["kernel"] == (400, 64)
+    for head, outputs in (("actor", 3), ("critic", 1)):
+        assert shapes[head]["layers_0"]["kernel"] == (64, 64)
+        assert shapes[head]["layers_2"]["kernel"] == (64, outputs)
+    separate = network_of(purejaxrl_ppo.Config(env="Breakout"))
+    separate_size = sum(x.size for x in jax.tree.leaves(separate.init(jax.random.PRNGKey(1), obs)))
+    assert sum(x.size for x in jax.tree.leaves(params)) == separate_size - (400 * 64 + 64)
+
+    pi, value = network.apply(params, obs)
+    policy = network.apply(params, obs, method=ActorCritic.policy)
+    np.testing.assert_array_equal(pi.logits, policy.logits)
+    np.testing.assert_array_equal(value, network.apply(params, obs, method=ActorCritic.value))
+
+    def entropy(p):
+        return network.apply(p, obs, method=ActorCritic.policy).entropy().sum()
+
+    def value_sum(p):
+        return network.apply(p, obs, method=ActorCritic.value).sum()
+
+    for loss in (entropy, value_sum):
+        grads = jax.grad(loss)(params)["params"]
+        assert np.abs(grads["shared"]["layers_1"]["kernel"]).sum() > 0
+    assert not np.abs(jax.grad(value_sum)(params)["params"]["actor"]["layers_0"]["kernel"]).any()
 
 
 # ---------------------------------------------------------------------------------------------

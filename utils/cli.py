@@ -133,21 +133,24 @@ def load_saved_config(run_dir: str) -> dict:
     return read_json(path, "--resume")
 
 
-def gymnax_preset_key(env: str) -> str:
-    """The preset of a gymnax env is its family: 'classic', 'minatar' or 'continuous'."""
-    return env_family(resolve_env_id(env))
+def gymnax_preset_keys(env: str) -> tuple[str, str]:
+    """The presets of a gymnax env, the more general first: its family ('classic', 'minatar',
+    'continuous', ...), then its own id, whose entries (if any) refine the family's."""
+    env_id = resolve_env_id(env)
+    return env_family(env_id), env_id
 
 
 def parse_config(
     config_cls,
     presets: dict[str, dict],
     args: list[str] | None = None,
-    preset_key: Callable[[str], str] = gymnax_preset_key,
+    preset_key: Callable[[str], str | tuple[str, ...]] = gymnax_preset_keys,
     shell_defaults: dict | None = None,
 ):
     """Parse argv into `config_cls`, with defaults from the env's preset or the resumed run.
 
-    The preset is chosen before parsing, so `--env Breakout --help` shows Breakout's defaults
+    `preset_key` names the env's preset, or its presets from the most general to the most
+    specific, each overriding the ones before. The preset is chosen before parsing, so `--env Breakout --help` shows Breakout's defaults
     and any flag still overrides them. `shell_defaults` are defaults of the command line only,
     below the preset's (e.g. a CPU split, which restarts the process: a Config built in a
     notebook never asks for it). With `--resume RUN_DIR` the saved config is the default, a
@@ -164,7 +167,10 @@ def parse_config(
         default = config_cls(**{k: v for k, v in saved.items() if k in names})
     else:
         env = _flag_value(args, "env") or config_cls.env
-        preset = presets.get(preset_key(env), {})
+        keys = preset_key(env)
+        preset = {}
+        for key in (keys,) if isinstance(keys, str) else keys:
+            preset.update(presets.get(key, {}))
         default = config_cls(**{**(shell_defaults or {}), **preset, "env": env})
     config = tyro.cli(config_cls, default=default, args=args, description=config_cls.__doc__)
     if resume is not None:
