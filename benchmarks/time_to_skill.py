@@ -4,7 +4,7 @@ ours next to an anchor, each at its own recommended settings, alternating in one
     python benchmarks/time_to_skill.py                  # the fast workloads below, 3 seeds each
     python benchmarks/time_to_skill.py --workloads ppo_cartpole,dqn_cartpole --seeds 5
     python benchmarks/time_to_skill.py --workloads ppo_breakout      # minutes on CPU
-    python benchmarks/time_to_skill.py --workloads az_connect_four   # hours on CPU
+    python benchmarks/time_to_skill.py --workloads az_connect_four   # the slowest (docs/benchmarks.md)
 
 Workloads (`--workloads`, comma-separated; the first three by default):
 - ppo_cartpole: PPO on CartPole-v1 to a return of 475; anchor PureJaxRL's ppo.py.
