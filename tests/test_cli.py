@@ -53,6 +53,13 @@ def test_preset_defaults_and_overrides():
     config = parse_config(Config, PRESETS, ["--env", "Breakout"])
     assert config.num_envs == PRESETS["minatar"]["num_envs"]
     assert config.total_timesteps == PRESETS["minatar"]["total_timesteps"]
+    # Breakout-MinAtar's own entry refines the family's; other MinAtar games keep the family's
+    assert config.shared_torso and config.learning_rate == 5e-3
+    config = parse_config(Config, PRESETS, ["--env", "Asterix"])
+    assert config.num_envs == PRESETS["minatar"]["num_envs"]
+    assert not config.shared_torso and config.learning_rate == PRESETS["minatar"]["learning_rate"]
+    config = parse_config(Config, PRESETS, ["--env", "Breakout-MinAtar", "--no-shared-torso"])
+    assert not config.shared_torso and config.learning_rate == 5e-3
     config = parse_config(Config, PRESETS, ["--env=Breakout", "--num-envs", "8", "--no-anneal-lr"])
     assert config.num_envs == 8 and not config.anneal_lr
     config = parse_config(Config, PRESETS, ["--num_seeds", "3", "--learning-rate", "1e-3"])

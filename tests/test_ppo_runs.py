@@ -55,8 +55,11 @@ def test_a_finished_run_is_evaluated_again_when_asked(tiny_ppo_args, capsys):
     assert "re-evaluated update 8 with --eval-episodes 2: eval return" in capsys.readouterr().out
 
 
-def test_cnn_torso_trains_end_to_end_on_minatar(tmp_path):
-    args = ["--env", "Breakout", "--torso", "cnn", *TINY_PPO, "--hidden-size", "16"]
+@pytest.mark.parametrize("sharing", ["--no-shared-torso", "--shared-torso"])
+def test_cnn_torso_trains_end_to_end_on_minatar(tmp_path, sharing):
+    """The convolution of --torso cnn, in each network or once in the shared torso (Breakout's
+    preset)."""
+    args = ["--env", "Breakout", "--torso", "cnn", sharing, *TINY_PPO, "--hidden-size", "16"]
     config = parse_config(
         purejaxrl_ppo.Config,
         purejaxrl_ppo.PRESETS,
@@ -69,10 +72,12 @@ def test_cnn_torso_trains_end_to_end_on_minatar(tmp_path):
         os.listdir(summary["run_dir"])
     )
     assert summary["env_steps_per_seed"] == 512
-    for network in ("actor", "critic"):
+    torsos = ("shared",) if config.shared_torso else ("actor", "critic")
+    assert set(state.params["params"]) == {"actor", "critic", *torsos}
+    for torso in torsos:
         # The first layer is a 3x3 convolution of Breakout's 4 channels into 16, and training
         # moved it: its biases start at 0 (a channel that no observation activates keeps 0).
-        conv = state.params["params"][network]["layers_0"]  # leaves [devices, runs, ...]
+        conv = state.params["params"][torso]["layers_0"]  # leaves [devices, runs, ...]
         assert conv["kernel"].shape == (1, 1, 3, 3, 4, 16)
         assert np.any(conv["bias"] != 0)
 
