@@ -274,11 +274,8 @@ class ActorCritic(nn.Module):
             if self.torso == "cnn":
                 layers += [Conv3x3(16, kernel_init=orthogonal(np.sqrt(2))), activation]
             layers += [lambda x: x.reshape(*x.shape[: x.ndim - self.obs_ndim], -1)]
-            return [
-                *layers,
-                nn.Dense(self.hidden_size, kernel_init=orthogonal(np.sqrt(2))),
-                activation,
-            ]
+            layers += [nn.Dense(self.hidden_size, kernel_init=orthogonal(np.sqrt(2))), activation]
+            return layers
 
         def head(out_size, out_scale):
             return [

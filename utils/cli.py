@@ -150,12 +150,13 @@ def parse_config(
     """Parse argv into `config_cls`, with defaults from the env's preset or the resumed run.
 
     `preset_key` names the env's preset, or its presets from the most general to the most
-    specific, each overriding the ones before. The preset is chosen before parsing, so `--env Breakout --help` shows Breakout's defaults
-    and any flag still overrides them. `shell_defaults` are defaults of the command line only,
-    below the preset's (e.g. a CPU split, which restarts the process: a Config built in a
-    notebook never asks for it). With `--resume RUN_DIR` the saved config is the default, a
-    flag that changes something the run computes is refused, and an evaluation size on the
-    command line (EVAL_SIZE_FIELDS) sets `reevaluate`.
+    specific, each overriding the ones before. The preset is chosen before parsing, so
+    `--env Breakout --help` shows Breakout's defaults and any flag still overrides them.
+    `shell_defaults` are defaults of the command line only, below the preset's (e.g. a CPU
+    split, which restarts the process: a Config built in a notebook never asks for it). With
+    `--resume RUN_DIR` the saved config is the default, a flag that changes something the run
+    computes is refused, and an evaluation size on the command line (EVAL_SIZE_FIELDS) sets
+    `reevaluate`.
     """
     args = list(sys.argv[1:] if args is None else args)
     resume = _flag_value(args, "resume")
