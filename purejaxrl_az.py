@@ -498,6 +498,9 @@ def make_networks(config: Config, env, *, one_run: bool) -> tuple[nn.Module, nn.
 # Pure pieces: priors, search, value targets, replay buffer, loss
 # ---------------------------------------------------------------------------------------------
 
+# The evaluation's key is fold_in(state.key, this). fold_in(key, i) is split(key, n)[i] for
+# i < n, so a number far above any split's size keeps it apart from training's keys.
+EVALUATION_KEY_DATA = 2**31 - 1
 EVAL_MAX_MOVES = 20_000  # 2048: evaluation games end here if the game has not (about a 16k tile)
 
 ILLEGAL_LOGIT = (
@@ -1202,17 +1205,19 @@ def iterate(
     return state, iteration_metrics(played, learned, buffer, solo=solo)
 
 
-def evaluate(state: TrainState, key, *, search_fn, evaluate_agent_fn, batch_norm: bool) -> dict:
+def evaluate(state: TrainState, *, search_fn, evaluate_agent_fn, batch_norm: bool) -> dict:
     """4. Evaluation: the agent's greedy search (`search_fn`, `agent_search` bound) plays
     `evaluate_agent_fn` (utils/board_eval.py's `evaluate_agent` bound): matches from both
     seats against each opponent; for 2048 `game2048.evaluate_player`, whole games beside a
-    random and an expectimax player's. Returns its scalar metrics (and game records)."""
+    random and an expectimax player's. Returns its scalar metrics (and game records). Its
+    randomness comes from the state's key without advancing it: evaluating, or how often,
+    changes nothing that training does, and the same state always plays the same games."""
     variables = variables_of(state, batch_norm)
 
     def agent(games, key):
         return search_fn(variables, state.hparams, key, games, greedy=True).action
 
-    return evaluate_agent_fn(agent, key)
+    return evaluate_agent_fn(agent, jax.random.fold_in(state.key, EVALUATION_KEY_DATA))
 
 
 def train_chunk(state: TrainState, num_updates: int, num_active=None, *, iterate_fn, evaluate_fn):
@@ -1221,8 +1226,7 @@ def train_chunk(state: TrainState, num_updates: int, num_active=None, *, iterate
     iteration and are NaN at the others. Returns (state, metrics [num_updates] each, game
     records as they are)."""
     state, metrics = scan_updates(iterate_fn, state, num_updates, num_active)
-    key, eval_key = jax.random.split(state.key)
-    evaluation = evaluate_fn(state._replace(key=key), eval_key)
+    evaluation = evaluate_fn(state)
     last = num_updates - 1 if num_active is None else num_active - 1
     nan = jnp.full(num_updates, jnp.nan, jnp.float32)
     for name, value in evaluation.items():
@@ -1230,7 +1234,7 @@ def train_chunk(state: TrainState, num_updates: int, num_active=None, *, iterate
             metrics[name] = value
         else:
             metrics[name] = nan.at[last].set(value.astype(jnp.float32))
-    return state._replace(key=key), metrics
+    return state, metrics
 
 
 def init(key, hp: HyperParams, *, env, network, num_games: int, buffer_rows: int) -> TrainState:
@@ -1465,13 +1469,8 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
     )
     if not config.eval_games:  # --eval-games 0: chunks end without an evaluation
 
-        def evaluate_fn(state, key):
+        def evaluate_fn(state):
             return {}
-
-    def evaluate_again(state, key):
-        """The in-loop evaluation of a finished run's state alone (--resume with --eval-games);
-        the driver's key is the same on every device, so each device folds in its index."""
-        return evaluate_fn(state, jax.random.fold_in(key, jax.lax.axis_index(DEVICE_AXIS)))
 
     return Trainer(
         algo="az",
@@ -1495,7 +1494,7 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
         write_records=functools.partial(write_game_records, env=env, opponent_names=tuple(players)),
         guarded_metrics=("policy_loss", "value_loss"),
         guarded_state=lambda state: (state.params, state.batch_stats, state.opt_state),
-        chunk_evaluation=evaluate_again if config.eval_games else None,
+        chunk_evaluation=evaluate_fn if config.eval_games else None,
     )
 
 

@@ -525,6 +525,13 @@ def test_run_outputs_reproducibility_resume_and_two_devices(tmp_path):
     assert sorted(r["hyperparams"]["learning_rate"] for r in ranking) == [1e-3, 3e-3]
     finals = summary["final_metrics_per_seed"]
     assert len(finals) == 4 and finals[0] != finals[1]  # seeds differ
+    # Evaluated again with its own --eval-games, the final state plays the last chunk's games.
+    again = run_script("purejaxrl_az.py", "--resume", first, "--eval-games", "8", devices=2)
+    assert again.returncode == 0, again.stderr[-3000:]
+    with open(f"{first}/summary.json") as f:
+        replayed = json.load(f)["eval_metrics_per_seed"]
+    for final, evaluation in zip(finals, replayed, strict=True):
+        assert evaluation == {k: v for k, v in final.items() if k.startswith("eval_")}
     for final in finals:
         assert final["eval_random_win"] + final["eval_random_draw"] + final[
             "eval_random_loss"
@@ -718,7 +725,7 @@ def test_the_in_loop_evaluation_runs_alone_to_evaluate_a_finished_run_again(tmp_
     trainer = make_train(config)
 
     def evaluation(key):
-        return trainer.chunk_evaluation(trainer.init(key, trainer.hyperparams), key)
+        return trainer.chunk_evaluation(trainer.init(key, trainer.hyperparams))
 
     metrics = jax.eval_shape(
         jax.vmap(evaluation, axis_name=DEVICE_AXIS), jax.random.PRNGKey(0)[None]

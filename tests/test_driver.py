@@ -104,7 +104,7 @@ def make_stub(
                 metrics["eval_x"] = jnp.full(num_updates, jnp.nan).at[last].set(evaluate_x(state))
             return state, metrics
 
-        def evaluate_x(state, key=None):
+        def evaluate_x(state):
             return device_mean(state["x"])
 
         def init(key, hp):
@@ -127,7 +127,7 @@ def make_stub(
             runtime=runtime or Runtime(),
             guarded_metrics=("loss",),
             guarded_state=lambda state: state["x"],
-            chunk_evaluation=(lambda state, key: {"eval_x": evaluate_x(state)})
+            chunk_evaluation=(lambda state: {"eval_x": evaluate_x(state)})
             if evaluate_in_chunks
             else None,
         )

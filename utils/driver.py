@@ -1054,9 +1054,8 @@ def _chunk_evaluation_fields(plan: RunPlan, state) -> dict:
     """The evaluation that ends every chunk (Trainer.chunk_evaluation) of the final state:
     the evaluation size and "eval_metrics_per_seed", one {name: value} per run."""
     trainer = plan.trainer
-    keys = np.repeat(_evaluation_keys(plan)[None], plan.local_devices, 0)
     evaluate = jax.pmap(_over_runs(trainer.chunk_evaluation, plan.num_runs), axis_name=DEVICE_AXIS)
-    metrics = jax.device_get(evaluate(state, keys))
+    metrics = jax.device_get(evaluate(state))
     per_run = [
         {name: float(v[0, run]) for name, v in metrics.items() if not name.startswith("record_")}
         for run in range(plan.num_runs)

@@ -103,9 +103,11 @@ class Trainer:
     # state; not replay buffers or environments): the driver checks its floating-point leaves
     # after every chunk. None checks none.
     guarded_state: Callable | None = None
-    # (state, key) -> {name: scalar}: the evaluation that ends every chunk of a trainer that
+    # (state) -> {name: scalar}: the evaluation that ends every chunk of a trainer that
     # evaluates inside its chunks (evaluate is None; AlphaZero), run alone on the final state
-    # when a finished run is evaluated again (--resume with --eval-games). None: no such one.
+    # when a finished run is evaluated again (--resume with --eval-games). Its randomness comes
+    # from the state without advancing it, so that the final state plays the games of the last
+    # chunk's evaluation again. None: no such one.
     chunk_evaluation: Callable | None = None
 
     def train(self, key):
