@@ -1220,21 +1220,12 @@ def evaluate(state: TrainState, *, search_fn, evaluate_agent_fn, batch_norm: boo
     return evaluate_agent_fn(agent, jax.random.fold_in(state.key, EVALUATION_KEY_DATA))
 
 
-def train_chunk(state: TrainState, num_updates: int, num_active=None, *, iterate_fn, evaluate_fn):
+def train_chunk(state: TrainState, num_updates: int, num_active=None, *, iterate_fn):
     """num_updates iterations (`iterate_fn`; the first num_active of them where given, see
-    utils/trainer.py), then one evaluation (`evaluate_fn`); its metrics sit at the chunk's last
-    iteration and are NaN at the others. Returns (state, metrics [num_updates] each, game
-    records as they are)."""
-    state, metrics = scan_updates(iterate_fn, state, num_updates, num_active)
-    evaluation = evaluate_fn(state)
-    last = num_updates - 1 if num_active is None else num_active - 1
-    nan = jnp.full(num_updates, jnp.nan, jnp.float32)
-    for name, value in evaluation.items():
-        if name.startswith("record_"):
-            metrics[name] = value
-        else:
-            metrics[name] = nan.at[last].set(value.astype(jnp.float32))
-    return state, metrics
+    utils/trainer.py): (state, metrics [num_updates] each). The evaluation that ends the chunk,
+    `evaluate`, is a program of its own, which the driver compiles beside this one and runs on
+    the state this returns (Trainer.chunk_evaluation)."""
+    return scan_updates(iterate_fn, state, num_updates, num_active)
 
 
 def init(key, hp: HyperParams, *, env, network, num_games: int, buffer_rows: int) -> TrainState:
@@ -1467,11 +1458,6 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
         evaluate_agent_fn=evaluate_agent_fn,
         batch_norm=config.batch_norm,
     )
-    if not config.eval_games:  # --eval-games 0: chunks end without an evaluation
-
-        def evaluate_fn(state):
-            return {}
-
     return Trainer(
         algo="az",
         env_id=game,
@@ -1485,7 +1471,7 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
             num_games=config.num_games // num_devices,
             buffer_rows=config.buffer_size // config.num_games,  # moves kept of each game slot
         ),
-        train_chunk=functools.partial(train_chunk, iterate_fn=iterate_fn, evaluate_fn=evaluate_fn),
+        train_chunk=functools.partial(train_chunk, iterate_fn=iterate_fn),
         evaluate=None,
         runtime=runtime,
         headline_metric=headline_metric(config, solo),
@@ -1494,6 +1480,7 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
         write_records=functools.partial(write_game_records, env=env, opponent_names=tuple(players)),
         guarded_metrics=("policy_loss", "value_loss"),
         guarded_state=lambda state: (state.params, state.batch_stats, state.opt_state),
+        # --eval-games 0: chunks end without an evaluation
         chunk_evaluation=evaluate_fn if config.eval_games else None,
     )
 

@@ -98,11 +98,7 @@ def make_stub(
             (x, done), metrics = scan_updates(
                 update, (state["x"], state["updates"]), num_updates, num_active
             )
-            state = {**state, "x": x, "updates": done}
-            if evaluate_in_chunks:
-                last = num_updates - 1 if num_active is None else num_active - 1
-                metrics["eval_x"] = jnp.full(num_updates, jnp.nan).at[last].set(evaluate_x(state))
-            return state, metrics
+            return {**state, "x": x, "updates": done}, metrics
 
         def evaluate_x(state):
             return device_mean(state["x"])

@@ -63,6 +63,7 @@ from utils.sweep import config_label, num_configs, sweep_configs
 from utils.trainer import (
     Runtime,
     Trainer,
+    at_last_update,
     build_trainer,
     check_chunk_metrics,
     hyperparams_of,
@@ -570,12 +571,15 @@ class _ChunkRunner:
     the divergence guard's state (`_state_finite`), so that the check costs neither a
     compilation nor a dispatch of its own. Where no chunk length divides the updates left, the
     program takes how many of its updates to run (`num_active`, see utils/trainer.py), and the
-    last, shorter chunk runs it too. It can compile in a background thread while the initial
-    state compiles and runs (`start_compiling`): XLA compiles a program on one core, and that
-    core would idle."""
+    last, shorter chunk runs it too. A trainer's `chunk_evaluation` is a second program, run on
+    each chunk's final state. Both can compile in background threads while the initial state
+    compiles and runs (`start_compiling`): XLA compiles a program on one core, and the others
+    would idle."""
 
     def __init__(self, plan: RunPlan, clock: _Clock, first_update: int):
-        self.plan, self.clock, self.compiled = plan, clock, None
+        self.plan, self.clock = plan, clock
+        self.compiled: list[Callable] | None = None  # `_programs`, once compiled
+        self.compiling: list[concurrent.futures.Future] | None = None  # from start_compiling
         trainer = plan.trainer
         # one length from the start, so that a resumed run compiles the program it started with
         self.length = min(plan.chunk_len, trainer.num_updates)
@@ -583,19 +587,27 @@ class _ChunkRunner:
         self.check_state = trainer.guarded_state is not None and not plan.config.allow_nonfinite
 
     def start_compiling(self, abstract_state) -> None:
-        """Begin compiling from the state's shapes; `__call__` waits for it. A compiled pmap
-        takes global arrays only: a run of several processes compiles at its first call
-        instead."""
+        """Begin compiling from the state's shapes, each program in a thread of its own;
+        `__call__` waits for them. A compiled pmap takes global arrays only: a run of several
+        processes compiles at its first call instead."""
         if self.plan.multi_process:
             return
-        program = self._program()
         args = self._arguments(abstract_state, self.length)
-        self.compiled = _in_background(lambda: program.lower(*args).compile())
+
+        def compile_program(program):
+            return program.lower(*args).compile()
+
+        self.compiling = [
+            _in_background(functools.partial(compile_program, program))
+            for program in self._programs()
+        ]
 
     def _arguments(self, state, num_updates: int) -> tuple:
         return (state, np.int32(num_updates)) if self.masked else (state,)
 
-    def _program(self) -> Callable:
+    def _programs(self) -> list[Callable]:
+        """The chunk's program, (state, [num_active]) -> (state, metrics, finite), and with a
+        chunk evaluation its program, (the chunk's state, [num_active]) -> metrics."""
         trainer, length, masked = self.plan.trainer, self.length, self.masked
 
         def chunk_and_check(state, *num_active):
@@ -603,33 +615,45 @@ class _ChunkRunner:
             finite = _state_finite(trainer.guarded_state(state)) if self.check_state else True
             return state, metrics, jnp.asarray(finite)
 
+        def evaluate(state, *num_active):
+            last = num_active[0] - 1 if masked else length - 1
+            return at_last_update(trainer.chunk_evaluation(state), length, last)
+
         in_axes = (0, None) if masked else 0
-        return jax.pmap(
-            _over_runs(chunk_and_check, self.plan.num_runs, in_axes),
-            axis_name=DEVICE_AXIS,
-            in_axes=in_axes,
-        )
+        functions = [chunk_and_check, evaluate] if trainer.chunk_evaluation else [chunk_and_check]
+        return [
+            jax.pmap(
+                _over_runs(function, self.plan.num_runs, in_axes),
+                axis_name=DEVICE_AXIS,
+                in_axes=in_axes,
+            )
+            for function in functions
+        ]
 
     def __call__(self, state, num_updates: int):
-        """Train `num_updates` (the chunk's length, or fewer in a masked program's last chunk):
-        (new state, metrics {name: [runs, num_updates]}, each run's guarded state finite
-        [runs])."""
+        """Train `num_updates` (the chunk's length, or fewer in a masked program's last chunk)
+        and evaluate, if the trainer does: (new state, metrics {name: [runs, num_updates]},
+        each run's guarded state finite [runs])."""
         args = self._arguments(state, num_updates)
-        if not callable(self.compiled):
+        if self.compiled is None:
             start = time.perf_counter()
-            if self.compiled is not None:  # started by start_compiling
-                self.compiled = self.compiled.result()
+            if self.compiling is not None:
+                self.compiled = [future.result() for future in self.compiling]
             elif self.plan.multi_process:
                 # A compiled pmap takes global arrays only; with several processes the pmapped
                 # function converts this process's arrays and reuses the compilation.
-                self.compiled = self._program()
-                self.compiled.lower(*args).compile()
+                self.compiled = self._programs()
+                for program in self.compiled:
+                    program.lower(*args).compile()
             else:
-                self.compiled = self._program().lower(*args).compile()
+                self.compiled = [program.lower(*args).compile() for program in self._programs()]
             self.clock.compile_seconds += time.perf_counter() - start
             interrupts.check()  # a stop asked for while compiling: before the chunk runs
         start = time.perf_counter()
-        state, metrics, finite = self.compiled(*args)
+        chunk, *evaluation = self.compiled
+        state, metrics, finite = chunk(*args)
+        if evaluation:
+            metrics = {**metrics, **evaluation[0](state, *args[1:])}
         metrics, finite = jax.device_get((metrics, finite))
         self.clock.train_seconds += time.perf_counter() - start
         check_chunk_metrics(

@@ -103,11 +103,13 @@ class Trainer:
     # state; not replay buffers or environments): the driver checks its floating-point leaves
     # after every chunk. None checks none.
     guarded_state: Callable | None = None
-    # (state) -> {name: scalar}: the evaluation that ends every chunk of a trainer that
-    # evaluates inside its chunks (evaluate is None; AlphaZero), run alone on the final state
-    # when a finished run is evaluated again (--resume with --eval-games). Its randomness comes
-    # from the state without advancing it, so that the final state plays the games of the last
-    # chunk's evaluation again. None: no such one.
+    # (state) -> {name: scalar, "record_*": any shape}: the evaluation that ends every chunk
+    # (AlphaZero's; its `evaluate` is None). The driver runs it on each chunk's final state as
+    # a program of its own, compiled beside the chunk's, and logs each value at the chunk's
+    # last update (`at_last_update`); it runs it alone on the final state when a finished run
+    # is evaluated again (--resume with --eval-games). Its randomness comes from the state
+    # without advancing it: evaluating changes nothing that training does, and the final state
+    # plays the games of the last chunk's evaluation again. None: no such evaluation.
     chunk_evaluation: Callable | None = None
 
     def train(self, key):
@@ -120,7 +122,11 @@ class Trainer:
             )
 
         def whole_run(key):
-            return self.train_chunk(self.init(key, self.hyperparams), self.num_updates)
+            state, metrics = self.train_chunk(self.init(key, self.hyperparams), self.num_updates)
+            if self.chunk_evaluation is not None:
+                last = self.num_updates - 1
+                metrics |= at_last_update(self.chunk_evaluation(state), self.num_updates, last)
+            return state, metrics
 
         out = jax.vmap(whole_run, axis_name=DEVICE_AXIS)(key[None])
         return jax.tree.map(lambda x: x[0], out)
@@ -149,6 +155,17 @@ def scan_updates(update_step: Callable, state, num_updates: int, num_active=None
 
     outs = jax.tree.map(empty, out_shapes)
     return jax.lax.fori_loop(0, num_active, _one_update, (state, outs))
+
+
+def at_last_update(evaluation: dict, num_updates: int, last) -> dict:
+    """A chunk evaluation's outputs (`Trainer.chunk_evaluation`) as chunk metrics: each scalar
+    at update index `last` (an int, or a traced int32) of [num_updates] and NaN at the others,
+    "nothing to report" there; "record_*" outputs as they are."""
+    nan = jnp.full(num_updates, jnp.nan, jnp.float32)
+    return {
+        name: value if name.startswith("record_") else nan.at[last].set(value.astype(jnp.float32))
+        for name, value in evaluation.items()
+    }
 
 
 def hyperparams_of(hyperparams_type: type, config) -> Any:
