@@ -8,7 +8,8 @@ contract of utils/trainer.py, in four stages that read top to bottom:
 2. `start_or_resume`: the initial state on the devices, or the latest checkpoint, while the
    first chunk's program compiles in a background thread (`_ChunkRunner.start_compiling`).
 3. `train_in_chunks`: `train_chunk` (a `lax.scan` over updates) under `pmap(vmap(...))`,
-   devices on the outer axis, runs on the inner one, one compiled program for every chunk.
+   devices on the outer axis, runs on the inner one, one compiled program for every chunk
+   (and a second one for a trainer's chunk evaluation, run on each chunk's final state).
    Between chunks, and only there, the host writes metrics.csv, wandb, the progress bar and
    an atomic checkpoint. With a single chunk the whole run is exactly one scan.
 4. `report`: evaluation, video, the learning curve, summary.json (last) and the one-line result.

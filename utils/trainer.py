@@ -80,7 +80,7 @@ class Trainer:
     # the others and compiles nothing.
     train_chunk: Callable
     # (state, key) -> episode returns [episodes], run once after training; None for no
-    # evaluation then (--eval-episodes 0, or a trainer that evaluates inside its chunks)
+    # evaluation then (--eval-episodes 0, or a trainer that evaluates after every chunk)
     evaluate: Callable | None
     runtime: Runtime  # what the trainer was built for
     # (state) -> utils.evaluation.Policy: the policy whose episode is filmed after training
