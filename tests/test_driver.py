@@ -499,12 +499,19 @@ def test_a_shorter_last_chunk_runs_the_same_program_to_the_same_numbers(tmp_path
     assert float(rows[-1]["eval_x"]) == pytest.approx(float(rows[-1]["episode_return"]))
 
 
-def test_train_needs_no_driver_and_no_device_axis():
-    train_fn = make_stub()(StubConfig()).train
+@pytest.mark.parametrize("evaluate_in_chunks", [False, True])
+def test_train_needs_no_driver_and_no_device_axis(evaluate_in_chunks):
+    """The whole run in one program; a chunk evaluation, as the driver would run it after the
+    run's one chunk, reports at its last update only."""
+    train_fn = make_stub(evaluate_in_chunks=evaluate_in_chunks)(StubConfig()).train
     keys = jnp.stack([jax.random.PRNGKey(1), jax.random.PRNGKey(2)])
     state, metrics = jax.jit(jax.vmap(train_fn))(keys)
     assert metrics["episode_return"].shape == (2, 8)
     np.testing.assert_allclose(metrics["episode_return"][:, -1], state["x"])
+    assert ("eval_x" in metrics) == evaluate_in_chunks
+    if evaluate_in_chunks:
+        assert np.isnan(metrics["eval_x"][:, :-1]).all()
+        np.testing.assert_allclose(metrics["eval_x"][:, -1], state["x"])
 
 
 def test_train_refuses_a_trainer_built_for_several_devices():
