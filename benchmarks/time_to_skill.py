@@ -26,8 +26,9 @@ is not counted in the anchor's time.
 The time to skill is the wall time until the end of the chunk in which the evaluator first
 meets the threshold: with compilation, from the start of the run (ours: from `run_training`,
 so flag parsing, building, compiling, training, logs and checkpoints), and without it. Ours
-reads its chunk ends from summary.json's "chunk_ends" and its scores from metrics.csv; the
-anchors are checked between their chunks, never inside one. Neither side uses a persistent
+is checked by the driver after each chunk (`run_training`'s `stop_when`, on the chunk's
+metrics), stops there and reads the chunk's end from summary.json's "chunk_ends"; the anchors
+are checked between their chunks, never inside one. Neither side uses a persistent
 compilation cache, and JAX's in-memory caches are cleared before each side of each seed, so
 every seed compiles from scratch. Each seed runs ours and the anchor one after the other, the
 first of the two alternating from seed to seed, so that a machine's drifting speed hits both.
@@ -72,7 +73,7 @@ from utils.board_eval import evaluate_agent, opponents, solve_tic_tac_toe
 from utils.cli import parse_config
 from utils.devices import DEVICE_AXIS, split_cpu_host, unroll_threefry_on_cpu, use_compile_cache
 from utils.driver import auto_updates_per_chunk, run_training
-from utils.logs import read_metrics_csv, write_json
+from utils.logs import write_json
 from utils.trainer import hyperparams_of
 
 DEFAULT_WORKLOADS = "ppo_cartpole,dqn_cartpole,az_tic_tac_toe"
@@ -363,7 +364,7 @@ def anchor_time(workload: Workload, seed: int, smoke: bool, threshold: float) ->
 
 
 def chunk_value(workload: Workload, rows: dict) -> float:
-    """The evaluator's value from the metrics.csv rows of one of our chunks: the mean return of
+    """The evaluator's value from the metrics of one of our chunks: the mean return of
     the episodes that ended in it, or the evaluation at its end."""
     if workload.metric != "episode_return":
         return float(rows[workload.metric][-1])
@@ -377,8 +378,8 @@ def chunk_value(workload: Workload, rows: dict) -> float:
 
 
 def ours_time(workload: Workload, seed: int, args: Args, runs_dir: str, threshold: float) -> dict:
-    """Run our trainer through the driver at its preset, then find the first chunk whose
-    value meets the threshold."""
+    """Run our trainer through the driver at its preset until the end of the first chunk whose
+    value meets the threshold (the driver's `stop_when`), or to the end of its budget."""
     jax.clear_caches()  # it compiles from scratch, as a fresh process would
     trainer = workload.trainer
     flags = workload.smoke_flags if args.smoke else workload.flags
@@ -392,19 +393,20 @@ def ours_time(workload: Workload, seed: int, args: Args, runs_dir: str, threshol
     else:  # one device, as on an unsplit host; no evaluation after training, none is timed
         cli += ["--num-devices", "1", "--eval-episodes", "0"]
         config = parse_config(trainer.Config, trainer.PRESETS, cli)
-    summary = run_training(config, trainer.make_train, trainer.validate)
-    columns = read_metrics_csv(os.path.join(summary["run_dir"], "metrics.csv"))
-    steps_per_update = summary["env_steps_per_seed"] // summary["num_updates"]
-    first = 0
-    for end in summary["chunk_ends"]:
-        in_chunk = (columns["update"] > first) & (columns["update"] <= end["update"])
-        first = end["update"]
-        value = chunk_value(workload, {name: v[in_chunk] for name, v in columns.items()})
+
+    met_at = []  # the update whose chunk first met the threshold
+
+    def met(update: int, metrics: dict) -> bool:  # metrics {name: [1 run, chunk's updates]}
+        value = chunk_value(workload, {name: v[0] for name, v in metrics.items()})
         if workload.reached(value, threshold):
-            steps = end["update"] * steps_per_update
-            return crossing(True, end["wall_seconds"], end["compile_seconds"], steps)
-    steps = first * steps_per_update
-    return crossing(False, end["wall_seconds"], end["compile_seconds"], steps)
+            met_at.append(update)
+        return bool(met_at)
+
+    summary = run_training(config, trainer.make_train, trainer.validate, stop_when=met)
+    end = summary["chunk_ends"][-1]  # where it stopped: the crossing, or the budget's end
+    steps = end["update"] * (summary["env_steps_per_seed"] // summary["num_updates"])
+    reached = bool(met_at)
+    return crossing(reached, end["wall_seconds"], end["compile_seconds"], steps)
 
 
 # ---------------------------------------------------------------------------------------------

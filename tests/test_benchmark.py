@@ -203,6 +203,7 @@ def test_time_to_skill_benchmark_runs(tmp_path):
                 assert not stats[field]["lower_bound"]
         assert float(row["ratio_wall"]) > 0 and float(row["ratio_train"]) >= 0
     assert ppo["ours"]["steps"]["median"] == 64  # one update of 4 envs x 16 steps
+    assert "ppo CartPole-v1: stopped at update 1 of 32," in result.stdout  # not trained on
     assert az["anchor"]["steps"]["median"] == 64  # one iteration of 16 games x 4 moves
     lines = results["table"].splitlines()
     assert lines[0].startswith("| workload | goal | anchor |") and len(lines) == 4

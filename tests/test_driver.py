@@ -271,6 +271,35 @@ def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, monkeypatch):
     np.testing.assert_array_equal(metric_table(uninterrupted, 0), metric_table(interrupted, 0))
 
 
+def test_stop_when_ends_training_after_a_chunk_and_resume_trains_on(tmp_path):
+    """`run_training`'s stop_when sees each chunk's update and metrics; True ends the run
+    there with a full report, and --resume continues to the same numbers as a run that was
+    never stopped."""
+    seen = []
+
+    def past_half(update, metrics):
+        seen.append((update, metrics["episode_return"].shape))
+        return bool((metrics["episode_return"][:, -1] > 0.5).all())
+
+    uninterrupted = train(tmp_path / "whole", num_updates=12, updates_per_chunk=2, target=1.0)
+    config = StubConfig(
+        runs_dir=str(tmp_path / "runs"), progress=False, num_updates=12, updates_per_chunk=2
+    )
+    stopped = run_training(config, make_stub(), stub_validate, stop_when=past_half)
+    # x starts in [0, 1) and halves its distance to 1 each update: above 0.5 by update 2
+    assert seen == [(2, (1, 2))]
+    assert stopped["stopped_at_update"] == 2 and len(stopped["chunk_ends"]) == 1
+    assert len(read_rows(stopped["run_dir"])) == 2
+    assert stopped["eval_return_per_seed"] is not None  # reported as at its last update
+    assert uninterrupted["stopped_at_update"] is None
+
+    resumed = train(tmp_path, resume=stopped["run_dir"], num_updates=12, updates_per_chunk=2)
+    assert resumed["resumed_from_update"] == 2 and resumed["stopped_at_update"] is None
+    np.testing.assert_array_equal(
+        metric_table(uninterrupted["run_dir"], 0), metric_table(stopped["run_dir"], 0)
+    )
+
+
 def test_the_first_chunk_compiles_beside_the_initial_state(tmp_path, monkeypatch):
     """The chunks' program is traced and compiled in a background thread, from the state's
     shapes, while the main thread compiles and computes the initial state; a shorter last

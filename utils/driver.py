@@ -725,14 +725,15 @@ def train_in_chunks(
     clock: _Clock,
     wandb_sink,
     after_first_chunk: Callable | None = None,
+    stop_when: Callable | None = None,
 ):
     """Train to the last update, one compiled chunk at a time. After each chunk, and only there,
     process 0 appends to metrics.csv and wandb, writes records and saves a checkpoint; a stop
     signal takes effect there too (utils/interrupts.py). A chunk in which a run diverged
     (`_divergence`; off with --allow-nonfinite) is logged but not kept: training stops at the
     last finite state. `after_first_chunk(state)`, if given, is called once the first chunk
-    has trained (to start the background compilations that wait for it). Returns (that state,
-    the Divergence or None)."""
+    has trained (to start the background compilations that wait for it); `stop_when` as in
+    `run_training`. Returns (that state, the update it reached, the Divergence or None)."""
     trainer, is_main = plan.trainer, plan.is_main
     guarded = not plan.config.allow_nonfinite
     divergence = None
@@ -789,9 +790,11 @@ def train_in_chunks(
             progress.update(update, mean_value, done_steps / max(clock.train_seconds, 1e-9))
             if plan.multi_process and _preempted(update):
                 raise KeyboardInterrupt  # as a stop signal would: every process stops here
+            if stop_when is not None and stop_when(update, metrics):
+                break
     finally:
         progress.close()
-    return state, divergence
+    return state, update, divergence
 
 
 def _preempted(update: int) -> bool:
@@ -904,16 +907,18 @@ def _capture_video(plan: RunPlan, state, wandb_sink) -> None:
 
 
 def _summary(
-    plan: RunPlan, columns: dict, evaluation, start_update: int, clock, divergence=None
+    plan: RunPlan, columns: dict, evaluation, updates: tuple[int, int], clock, divergence=None
 ) -> dict:
     """summary.json: lists "per seed" hold one entry per run, configuration-major when
     sweeping. "final_*" is the headline metric over the last updates trained; "eval_return_*"
     the mean return of the evaluation after training (null without one); "chunk_ends" the
     update and the run's seconds so far (wall, compile, train) at the end of every chunk this
     process trained, its logs and checkpoint written (after a resume: from there on);
-    "diverged" where the first run diverged (null if none did)."""
+    "diverged" where the first run diverged (null if none did); "stopped_at_update" the update
+    at which `run_training`'s `stop_when` ended the training (null if it did not)."""
     trainer, config = plan.trainer, plan.config
-    end_update = trainer.num_updates if divergence is None else divergence.logged_until
+    start_update, trained_until = updates
+    end_update = trained_until if divergence is None else divergence.logged_until
     num_seeds, num_runs = config.num_seeds, plan.num_runs
     evaluation_fields = _evaluation_fields(evaluation, num_runs)
     final_values = _final_values(columns, trainer.headline_metric, num_seeds, num_runs, end_update)
@@ -946,6 +951,7 @@ def _summary(
         "resumed_from_update": start_update if config.resume is not None else None,
         "chunk_ends": clock.chunk_ends,
         "diverged": None if divergence is None else _divergence_entry(plan, divergence),
+        "stopped_at_update": trained_until if end_update < trainer.num_updates else None,
     }
     if config.sweep:
         summary["sweep"] = {
@@ -997,6 +1003,10 @@ def _result_line(plan: RunPlan, summary: dict) -> str:
             f"{headline} {best['final_mean']:.3g} ± {best['final_std']:.2g}"
         )
     evaluation = f"eval {best['eval_return_mean']:.1f}, " if evaluated else ""
+    if summary["stopped_at_update"] is not None:
+        result = (
+            f"stopped at update {summary['stopped_at_update']} of {trainer.num_updates}, {result}"
+        )
     return (
         f"{trainer.algo} {trainer.env_id}: {result} over {config.num_seeds} seed(s), "
         f"{evaluation}{summary['steps_per_second']:,.0f} {trainer.step_unit}/s, "
@@ -1008,21 +1018,22 @@ def _result_line(plan: RunPlan, summary: dict) -> str:
 def report(
     plan: RunPlan,
     state,
-    start_update: int,
+    updates: tuple[int, int],
     clock: _Clock,
     wandb_sink,
     evaluate_final: _FinalEvaluation,
     divergence=None,
 ) -> dict:
-    """Process 0 after training: evaluation (`evaluate_final`), video, the learning curve,
-    summary.json, wandb's summary and the one-line result. A diverged run gets neither
-    evaluation nor video, and its line on stderr says where it diverged."""
+    """Process 0 after training from update `updates[0]` to `updates[1]`: evaluation
+    (`evaluate_final`), video, the learning curve, summary.json, wandb's summary and the
+    one-line result. A diverged run gets neither evaluation nor video, and its line on stderr
+    says where it diverged."""
     diverged = divergence is not None
     eval_returns = None if diverged else evaluate_final(state)
     if plan.trainer.video_policy is not None and not diverged:
         _capture_video(plan, state, wandb_sink)
     columns = read_metrics_csv(plan.csv_path)
-    summary = _summary(plan, columns, eval_returns, start_update, clock, divergence)
+    summary = _summary(plan, columns, eval_returns, updates, clock, divergence)
     trainer = plan.trainer
     png_path = os.path.join(plan.run_dir, "learning_curve.png")
     with naming_the_file(png_path):
@@ -1108,14 +1119,29 @@ def _reevaluation_line(plan: RunPlan, summary: dict) -> str:
 
 
 @interrupts.stop_at_safe_points()
-def run_training(config, make_train: Callable, validate: Callable, return_state: bool = False):
+def run_training(
+    config,
+    make_train: Callable,
+    validate: Callable,
+    return_state: bool = False,
+    *,
+    stop_when: Callable[[int, dict], bool] | None = None,
+):
     """Plan, start or resume, train in chunks and report (utils/trainer.py has the contract
     `make_train` and `validate` follow). Returns the summary dict (None on the processes other
     than 0 of a multi-process run), and with `return_state` also this process's final training
     state, leaves [local devices, runs, ...]. A run that diverged exits with DIVERGED_EXIT_CODE
     once it has reported. --resume of a finished run trains nothing: it says so, or, asked
-    with an evaluation size (`config.reevaluate`), evaluates the final state again."""
+    with an evaluation size (`config.reevaluate`), evaluates the final state again.
+
+    `stop_when(update, metrics)`, for a program that drives runs (a benchmark, a search), is
+    called after each chunk once its logs and checkpoint are written, with the update reached
+    and the chunk's metrics {name: [runs, updates of the chunk]}; True ends the training there
+    and the run reports as at its last update (summary.json's "stopped_at_update"). A later
+    --resume trains on from that checkpoint. Single-process runs only."""
     clock = _Clock(wall_start=time.perf_counter())
+    if stop_when is not None and jax.process_count() > 1:
+        raise ValueError("stop_when needs a single-process run: every process would have to stop")
     plan = plan_runs(config, make_train, validate)
     interrupts.exit_says(functools.partial(_interrupted, plan))
     finished = plan.resume_update == plan.trainer.num_updates
@@ -1139,7 +1165,7 @@ def run_training(config, make_train: Callable, validate: Callable, return_state:
                 if plan.is_main:
                     evaluate_final.start_compiling(state)
 
-            state, divergence = train_in_chunks(
+            state, end_update, divergence = train_in_chunks(
                 plan,
                 run_chunk,
                 state,
@@ -1147,11 +1173,18 @@ def run_training(config, make_train: Callable, validate: Callable, return_state:
                 clock,
                 wandb_sink,
                 after_first_chunk=after_first_chunk,
+                stop_when=stop_when,
             )
             interrupts.check()
             if plan.is_main:
                 summary = report(
-                    plan, state, start_update, clock, wandb_sink, evaluate_final, divergence
+                    plan,
+                    state,
+                    (start_update, end_update),
+                    clock,
+                    wandb_sink,
+                    evaluate_final,
+                    divergence,
                 )
             else:
                 summary = None
