@@ -638,16 +638,14 @@ class _ChunkRunner:
         args = self._arguments(state, num_updates)
         if self.compiled is None:
             start = time.perf_counter()
-            if self.compiling is not None:
+            if self.compiling is not None:  # a single process: start_or_resume started it
                 self.compiled = [future.result() for future in self.compiling]
-            elif self.plan.multi_process:
+            else:
                 # A compiled pmap takes global arrays only; with several processes the pmapped
                 # function converts this process's arrays and reuses the compilation.
                 self.compiled = self._programs()
                 for program in self.compiled:
                     program.lower(*args).compile()
-            else:
-                self.compiled = [program.lower(*args).compile() for program in self._programs()]
             self.clock.compile_seconds += time.perf_counter() - start
             interrupts.check()  # a stop asked for while compiling: before the chunk runs
         start = time.perf_counter()
