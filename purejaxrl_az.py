@@ -181,7 +181,6 @@ PRESETS = {
         num_games=128,
         rollout_steps=32,
         buffer_size=32_768,
-        eval_every=20,
     ),
     **{
         game: dict(

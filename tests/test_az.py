@@ -645,7 +645,7 @@ def test_presets_help_and_game_names():
     assert set(PRESETS) <= set(SUPPORTED_GAMES)
     assert resolve_game("Connect-Four") == "connect_four"
     config = parse_config(Config, PRESETS, ["--env", "connect_four"], preset_key=resolve_game)
-    assert config.num_games == 128 and config.eval_every == 20
+    assert config.num_games == 128 and config.eval_every == 10
     assert resolve_game("2048") == "2048"
     for game, reason in [
         ("backgammon", "dice"),
