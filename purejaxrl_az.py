@@ -166,7 +166,8 @@ class Config(RunConfig):
 # iteration's games reaches perfect play in fewer iterations. The runs behind this:
 # docs/alphazero.md, "Results". Its evaluation plays the perfect player instead of plain MCTS,
 # which that makes redundant and which was a third of the chunk's compilation
-# (docs/benchmarks.md).
+# (docs/benchmarks.md). connect_four learns at that rate too: it beat plain MCTS sooner
+# (docs/benchmarks.md, "AlphaZero connect_four").
 PRESETS = {
     "tic_tac_toe": dict(
         num_games=128,
@@ -181,6 +182,7 @@ PRESETS = {
         num_games=128,
         rollout_steps=32,
         buffer_size=32_768,
+        learning_rate=2e-3,
     ),
     **{
         game: dict(
