@@ -725,6 +725,7 @@ def test_a_diverged_run_stops_after_its_chunk_and_keeps_the_last_finite_checkpoi
     assert float(rows[-1]["episode_return"]) != float(rows[-1]["episode_return"])
     summary = strict_json(run_dir / "summary.json")
     assert summary["diverged"] == {"metric": metric, "update": 6, "seed": 1}
+    assert summary["stopped_at_update"] is None  # diverged, not stopped by stop_when
     assert summary["eval_episodes"] == 0  # a diverged state is not evaluated
 
     # the run resumes from its last finite checkpoint; --allow-nonfinite trains through

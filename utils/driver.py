@@ -949,7 +949,9 @@ def _summary(
         "resumed_from_update": start_update if config.resume is not None else None,
         "chunk_ends": clock.chunk_ends,
         "diverged": None if divergence is None else _divergence_entry(plan, divergence),
-        "stopped_at_update": trained_until if end_update < trainer.num_updates else None,
+        "stopped_at_update": (
+            trained_until if divergence is None and trained_until < trainer.num_updates else None
+        ),
     }
     if config.sweep:
         summary["sweep"] = {
