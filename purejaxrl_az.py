@@ -112,7 +112,9 @@ class Config(RunConfig):
     AlphaZero's PUCT (Dirichlet noise at the root, visit-count targets), the only one with
     chance nodes (2048)"""
     num_simulations: int = 32
-    """MCTS simulations per move in self-play and for the agent in evaluation"""
+    """MCTS simulations per move in self-play"""
+    eval_simulations: int = 0
+    """MCTS simulations per move of the agent in evaluation (0: --num-simulations)"""
     max_num_considered_actions: int = 16
     """gumbel: actions sampled at the root for sequential halving"""
     gumbel_scale: float = 1.0
@@ -1289,7 +1291,7 @@ def validate(config: Config, runtime: Runtime) -> None:
         "eval_every",
         "baseline_sims",
     )
-    require_positive(config, "eval_games", minimum=0)
+    require_positive(config, "eval_games", "eval_simulations", minimum=0)
     require_in(config, "gamma", 0.0, 1.0, above_low=True)
     require_in(config, "expectimax_depth", 1, 3)
     if game == "2048":
@@ -1455,7 +1457,9 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
     evaluate_agent_fn, players = make_evaluate_agent(config, env, num_devices, oracle_table)
     evaluate_fn = functools.partial(
         evaluate,
-        search_fn=search_fn,
+        search_fn=functools.partial(
+            search_fn, num_simulations=config.eval_simulations or config.num_simulations
+        ),
         evaluate_agent_fn=evaluate_agent_fn,
         batch_norm=config.batch_norm,
     )

@@ -24,6 +24,7 @@ from purejaxrl_az import (
     Position,
     ResNet,
     action_permutations,
+    agent_search,
     augment_position,
     az_loss,
     board_loss,
@@ -50,6 +51,7 @@ from tests.helpers import (
     metric_table,
     run_script,
 )
+from utils import board_play
 from utils.cli import parse_config
 from utils.devices import DEVICE_AXIS
 from utils.driver import run_training
@@ -715,6 +717,38 @@ def test_eval_games_0_means_no_evaluation(tmp_path):
     metrics = jax.eval_shape(jax.vmap(chunk, axis_name=DEVICE_AXIS), jax.random.PRNGKey(0)[None])
     assert "value_loss" in metrics and not any(name.startswith("eval_") for name in metrics)
     assert trainer.chunk_evaluation is None  # --resume --eval-games 0 has nothing to evaluate
+
+
+@pytest.mark.parametrize("eval_simulations,searched", [(0, 4), (6, 6)])
+def test_the_evaluation_searches_with_eval_simulations(
+    tmp_path, monkeypatch, eval_simulations, searched
+):
+    """Traced, not compiled: self-play searches with --num-simulations and the evaluation's
+    agent with --eval-simulations (0: the same as self-play); --play and --arena default to
+    the evaluation's."""
+    calls = []
+
+    def recording_search(*args, num_simulations, greedy, **kwargs):
+        calls.append((greedy, num_simulations))
+        return agent_search(*args, num_simulations=num_simulations, greedy=greedy, **kwargs)
+
+    monkeypatch.setattr(purejaxrl_az, "agent_search", recording_search)
+    args = [*tiny_args(tmp_path)[1:], "--num-simulations", "4"]
+    args += ["--eval-simulations", str(eval_simulations)]
+    config = parse_config(Config, PRESETS, args, preset_key=resolve_game)
+    validate(config, Runtime())
+    trainer = make_train(config)
+
+    def chunk_and_evaluation(key):
+        state, _ = trainer.train_chunk(trainer.init(key, trainer.hyperparams), 1)
+        return trainer.chunk_evaluation(state)
+
+    jax.eval_shape(
+        jax.vmap(chunk_and_evaluation, axis_name=DEVICE_AXIS), jax.random.PRNGKey(0)[None]
+    )
+    assert sorted(set(calls)) == [(False, 4), (True, searched)]
+    assert board_play.simulations(config, None) == searched
+    assert board_play.simulations(config, 9) == 9
 
 
 def test_the_in_loop_evaluation_runs_alone_to_evaluate_a_finished_run_again(tmp_path):

@@ -177,16 +177,22 @@ def _state_of(trainer, config, leaves, run_dir: str, flag: str):
     return jax.tree.unflatten(structure, leaves)
 
 
+def simulations(config, num_simulations: int | None) -> int:
+    """The simulations per move of a run's agent: `num_simulations` where given, else those
+    its evaluation searched with (--eval-simulations, or its self-play's)."""
+    return num_simulations or config.eval_simulations or config.num_simulations
+
+
 def make_search(trainer, agent: Agent, num_simulations: int | None):
-    """(variables, hparams, key, games [B]) -> mctx.PolicyOutput: the run's greedy search at its
-    own number of simulations, or `num_simulations`."""
+    """(variables, hparams, key, games [B]) -> mctx.PolicyOutput: the run's greedy search at
+    `simulations(...)` per move."""
     config = agent.config
     return functools.partial(
         trainer.agent_search,
         env=agent.env,
         network=agent.network,
         search=config.search,
-        num_simulations=num_simulations or config.num_simulations,
+        num_simulations=simulations(config, num_simulations),
         max_num_considered_actions=config.max_num_considered_actions,
         greedy=True,
     )
@@ -393,7 +399,7 @@ def _search_line(game: str, action: int, visits, weights, value, whose: str) -> 
 def replay_2048(trainer, agent: Agent, args, stdout: TextIO) -> None:
     """One game of the run's agent at 2048, each move printed with the board it leaves (the
     new tile included), then the score, highest tile and moves."""
-    env, sims = agent.env, args.num_simulations or agent.config.num_simulations
+    env, sims = agent.env, simulations(agent.config, args.num_simulations)
     agent_move = _agent_move(trainer, agent, args.num_simulations)
     step = jax.jit(env.step)
     key, init_key = jax.random.split(jax.random.PRNGKey(args.seed))
@@ -440,7 +446,7 @@ def play(trainer, args, stdin: TextIO, stdout: TextIO) -> None:
     state = jax.jit(env.init)(init_key)  # compiled: op by op, shogi's takes many seconds
     human = int(state.current_player) if not args.human_second else 1 - int(state.current_player)
     human_mark = MARKS[0 if not args.human_second else 1]
-    sims = args.num_simulations or agent.config.num_simulations
+    sims = simulations(agent.config, args.num_simulations)
     print(
         f"{game}: you are {human_mark} and move {'second' if args.human_second else 'first'}, "
         f"against {agent.spec.label} (update {agent.update}, {sims} simulations per move). "
@@ -592,7 +598,7 @@ def arena(trainer, args, stdout: TextIO) -> dict:
             "run_dir": os.path.abspath(agent.spec.run_dir),
             "run": agent.run,
             "update": agent.update,
-            "num_simulations": args.num_simulations or config.num_simulations,
+            "num_simulations": simulations(config, args.num_simulations),
             "network": f"{config.num_blocks} blocks x {config.num_channels} channels",
         }
 
@@ -664,7 +670,7 @@ def parse_args(args: list[str]) -> argparse.Namespace:
         "--num-simulations",
         type=int,
         default=None,
-        help="search simulations per move (default: each run's own)",
+        help="search simulations per move (default: those of each run's evaluation)",
     )
     parser.add_argument("--eval-games", type=int, default=64, help="arena games, half per seat")
     parser.add_argument(
