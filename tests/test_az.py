@@ -648,6 +648,7 @@ def test_presets_help_and_game_names():
     assert resolve_game("Connect-Four") == "connect_four"
     config = parse_config(Config, PRESETS, ["--env", "connect_four"], preset_key=resolve_game)
     assert config.num_games == 128 and config.eval_every == 10
+    assert (config.num_simulations, config.eval_simulations) == (16, 32)
     assert resolve_game("2048") == "2048"
     for game, reason in [
         ("backgammon", "dice"),
