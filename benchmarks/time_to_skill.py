@@ -1,12 +1,11 @@
 """Time to skill: wall-clock seconds from the start of a run to a policy of a given quality,
 ours next to an anchor, each at its own recommended settings, alternating in one process.
 
-    python benchmarks/time_to_skill.py                  # the fast workloads below, 3 seeds each
+    python benchmarks/time_to_skill.py                  # every workload below, 3 seeds each
     python benchmarks/time_to_skill.py --workloads ppo_cartpole,dqn_cartpole --seeds 5
-    python benchmarks/time_to_skill.py --workloads ppo_breakout      # minutes on CPU
     python benchmarks/time_to_skill.py --workloads az_connect_four   # the slowest (docs/benchmarks.md)
 
-Workloads (`--workloads`, comma-separated; the first three by default):
+Workloads (`--workloads`, comma-separated; all five by default):
 - ppo_cartpole: PPO on CartPole-v1 to a return of 475; anchor PureJaxRL's ppo.py.
 - dqn_cartpole: DQN on CartPole-v1 to 475; anchor PureJaxRL's dqn.py.
 - az_tic_tac_toe: AlphaZero to its first evaluation without a loss against a perfect
@@ -76,7 +75,7 @@ from utils.driver import auto_updates_per_chunk, run_training
 from utils.logs import write_json
 from utils.trainer import hyperparams_of
 
-DEFAULT_WORKLOADS = "ppo_cartpole,dqn_cartpole,az_tic_tac_toe"
+DEFAULT_WORKLOADS = "ppo_cartpole,dqn_cartpole,az_tic_tac_toe,ppo_breakout,az_connect_four"
 
 
 @dataclasses.dataclass

@@ -7,7 +7,7 @@ measure compile times."""
 
 import json
 
-from benchmarks import references
+from benchmarks import references, time_to_skill
 from benchmarks.yardstick import WORKLOADS, ours_config
 from tests.helpers import run_script
 
@@ -159,8 +159,8 @@ def test_throughput_then_yardstick_benchmarks_run(tmp_path):
 def test_every_gpu_benchmark_run_parses_and_validates():
     result = run_script("benchmarks/gpu.py", "--dry-run")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count("flags parse and validate") == 7 + 3 + 3
-    for name in ("ppo_cartpole", "dqn_cartpole", "az_tic_tac_toe"):
+    assert result.stdout.count("flags parse and validate") == 7 + 5 + 3
+    for name in time_to_skill.WORKLOADS:  # every one, the default
         assert f"time_to_skill {name}: flags parse and validate" in result.stdout
     for name in ("ppo_cartpole", "ppo_breakout", "dqn_cartpole"):
         assert f"yardstick {name}: flags parse and validate" in result.stdout
