@@ -168,9 +168,9 @@ class Config(RunConfig):
 # iteration's games reaches perfect play in fewer iterations. The runs behind this:
 # docs/alphazero.md, "Results". Its evaluation plays the perfect player instead of plain MCTS,
 # which that makes redundant and which was a third of the chunk's compilation
-# (docs/benchmarks.md). connect_four learns at that rate too, and with 16 gradient steps; its
-# self-play searches with 16 simulations, which learned as much per iteration as 32 at about
-# half the cost, while the evaluated agent keeps 32: it beat plain MCTS sooner
+# (docs/benchmarks.md). connect_four learns at that rate too, with 16 gradient steps; its
+# self-play searches with 16 simulations, which learned about as much per iteration as 32 for
+# half the network calls, while the evaluated agent keeps 32: it beat plain MCTS sooner
 # (docs/benchmarks.md, "AlphaZero connect_four").
 PRESETS = {
     "tic_tac_toe": dict(
