@@ -1403,6 +1403,12 @@ def make_evaluate_agent(config: Config, env, num_devices: int, oracle_table):
     ), players
 
 
+def agent_simulations(config: Config) -> int:
+    """Simulations per move of the evaluated agent, and of a trained run's agent in --play and
+    --arena unless they are given there: --eval-simulations, or self-play's where it is 0."""
+    return config.eval_simulations or config.num_simulations
+
+
 def headline_metric(config: Config, solo: bool) -> str:
     """The score against the strongest opponent evaluated (2048: the game score); without an
     evaluation, self-play's value loss."""
@@ -1462,9 +1468,7 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
     evaluate_agent_fn, players = make_evaluate_agent(config, env, num_devices, oracle_table)
     evaluate_fn = functools.partial(
         evaluate,
-        search_fn=functools.partial(
-            search_fn, num_simulations=config.eval_simulations or config.num_simulations
-        ),
+        search_fn=functools.partial(search_fn, num_simulations=agent_simulations(config)),
         evaluate_agent_fn=evaluate_agent_fn,
         batch_norm=config.batch_norm,
     )

@@ -748,8 +748,8 @@ def test_the_evaluation_searches_with_eval_simulations(
         jax.vmap(chunk_and_evaluation, axis_name=DEVICE_AXIS), jax.random.PRNGKey(0)[None]
     )
     assert sorted(set(calls)) == [(False, 4), (True, searched)]
-    assert board_play.simulations(config, None) == searched
-    assert board_play.simulations(config, 9) == 9
+    assert board_play.simulations(purejaxrl_az, config, None) == searched
+    assert board_play.simulations(purejaxrl_az, config, 9) == 9
 
 
 def test_the_in_loop_evaluation_runs_alone_to_evaluate_a_finished_run_again(tmp_path):

@@ -19,8 +19,8 @@ of games (one from each seat) starts instead from the same random opening of
 --opening-plies plies.
 
 The trainer's pieces come from the trainer module passed in (`purejaxrl_az`): its Config,
-`make_train` (for the checkpoint's layout), `make_networks`, `agent_search`, `variables_of`,
-`resolve_game`.
+`make_train` (for the checkpoint's layout), `make_networks`, `agent_search`,
+`agent_simulations`, `variables_of`, `resolve_game`.
 """
 
 from __future__ import annotations
@@ -177,10 +177,10 @@ def _state_of(trainer, config, leaves, run_dir: str, flag: str):
     return jax.tree.unflatten(structure, leaves)
 
 
-def simulations(config, num_simulations: int | None) -> int:
+def simulations(trainer, config, num_simulations: int | None) -> int:
     """The simulations per move of a run's agent: `num_simulations` where given, else those
-    its evaluation searched with (--eval-simulations, or its self-play's)."""
-    return num_simulations or config.eval_simulations or config.num_simulations
+    its evaluation searched with (the trainer's `agent_simulations`)."""
+    return num_simulations or trainer.agent_simulations(config)
 
 
 def make_search(trainer, agent: Agent, num_simulations: int | None):
@@ -192,7 +192,7 @@ def make_search(trainer, agent: Agent, num_simulations: int | None):
         env=agent.env,
         network=agent.network,
         search=config.search,
-        num_simulations=simulations(config, num_simulations),
+        num_simulations=simulations(trainer, config, num_simulations),
         max_num_considered_actions=config.max_num_considered_actions,
         greedy=True,
     )
@@ -399,7 +399,7 @@ def _search_line(game: str, action: int, visits, weights, value, whose: str) -> 
 def replay_2048(trainer, agent: Agent, args, stdout: TextIO) -> None:
     """One game of the run's agent at 2048, each move printed with the board it leaves (the
     new tile included), then the score, highest tile and moves."""
-    env, sims = agent.env, simulations(agent.config, args.num_simulations)
+    env, sims = agent.env, simulations(trainer, agent.config, args.num_simulations)
     agent_move = _agent_move(trainer, agent, args.num_simulations)
     step = jax.jit(env.step)
     key, init_key = jax.random.split(jax.random.PRNGKey(args.seed))
@@ -446,7 +446,7 @@ def play(trainer, args, stdin: TextIO, stdout: TextIO) -> None:
     state = jax.jit(env.init)(init_key)  # compiled: op by op, shogi's takes many seconds
     human = int(state.current_player) if not args.human_second else 1 - int(state.current_player)
     human_mark = MARKS[0 if not args.human_second else 1]
-    sims = simulations(agent.config, args.num_simulations)
+    sims = simulations(trainer, agent.config, args.num_simulations)
     print(
         f"{game}: you are {human_mark} and move {'second' if args.human_second else 'first'}, "
         f"against {agent.spec.label} (update {agent.update}, {sims} simulations per move). "
@@ -598,7 +598,7 @@ def arena(trainer, args, stdout: TextIO) -> dict:
             "run_dir": os.path.abspath(agent.spec.run_dir),
             "run": agent.run,
             "update": agent.update,
-            "num_simulations": simulations(config, args.num_simulations),
+            "num_simulations": simulations(trainer, config, args.num_simulations),
             "network": f"{config.num_blocks} blocks x {config.num_channels} channels",
         }
 
