@@ -550,7 +550,7 @@ class Transition(NamedTuple):
     reward: jax.Array  # [E]
     terminated: jax.Array  # [E] 1.0 where the episode ended in a terminal state
     truncated: jax.Array  # [E] 1.0 where a time limit cut the episode off
-    final_obs: jax.Array  # [E, obs_size] observation the step ended in, before any reset
+    final_value: jax.Array  # [E] value of the observation a truncated step ended in (else 0.0)
     memory: jax.Array  # [E, H] the policy's memory after acting on obs (() without --memory)
     episode_return: jax.Array  # [E] return of the episode that ended here (where done)
     episode_length: jax.Array  # [E]
@@ -569,11 +569,11 @@ class RunnerState(NamedTuple):
     key: jax.Array
 
 
-def rollout_targets(traj: Transition, last_value, final_values, gamma, gae_lambda):
+def rollout_targets(traj: Transition, last_value, gamma, gae_lambda):
     """GAE advantages and value targets of a rollout, [T, E]. `last_value` [E] is the value of
-    the observation after the rollout, `final_values` [T, E] that of each step's final
-    observation: the bootstraps of the rollout's last step and of its truncated steps."""
-    next_values = next_state_values(traj.value, last_value, final_values, traj.truncated)
+    the observation after the rollout, the bootstrap of its last step; `traj.final_value` holds
+    those of its truncated steps."""
+    next_values = next_state_values(traj.value, last_value, traj.final_value, traj.truncated)
     dones = jnp.maximum(traj.terminated, traj.truncated)
     return compute_gae(
         traj.reward, traj.value, next_values, traj.terminated, dones, gamma, gae_lambda
@@ -654,19 +654,23 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
             return network.apply(params, memory, obs, starts, method=RecurrentActorCritic.step)
         return forward(params, memory, obs, starts)
 
-    def continuation_values(params, memory, obs):
-        """Values of observations obs [T, E, ...] that go on with the episode of the step before
-        them, whose memory after it is memory [T, E, H]."""
+    def continuation_value(params, memory, obs):
+        """Values [E] of observations obs [E, ...] that go on with the episode of the step before
+        them, whose memory after it is memory [E, H] (or ())."""
         if not recurrent:
             return network.apply(params, obs, method=ActorCritic.value)
-        steps = obs.shape[0] * obs.shape[1]
-        _, _, value = policy_step(
-            params,
-            memory.reshape(steps, config.hidden_size),
-            obs.reshape(steps, *obs.shape[2:]),
-            jnp.zeros(steps, bool),
+        return policy_step(params, memory, obs, jnp.zeros(obs.shape[0], bool))[2]
+
+    def truncation_values(params, memory, final_obs, truncated):
+        """The bootstrap values [E] of one step's time-limit truncations: the value of the
+        observation an episode was cut off in (final_obs [E, ...], as the agent sees it), and
+        0.0 where it was not. Most steps truncate no episode, so they skip the value pass (a
+        real branch; under vmap over seeds or sweeps `cond` becomes a select and computes it)."""
+        return jax.lax.cond(
+            truncated.any(),
+            lambda: jnp.where(truncated, continuation_value(params, memory, final_obs), 0.0),
+            lambda: jnp.zeros(truncated.shape),
         )
-        return value.reshape(obs.shape[:2])
 
     # A rollout keeps its observations flattened, [T, E, obs_size], as PureJaxRL's flattening
     # wrapper gives them: a TPU lays out an array's last two dimensions in tiles of 8 x 128, so
@@ -681,13 +685,17 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
 
     # As CleanRL's wrappers do, the statistics first take in what the environments returned
     # (observations, not final observations; discounted returns), then scale it.
-    def observe(normalizer: Normalizer, obs, final_obs):
-        """Observations [E, ...] and final observations as the agent sees them."""
+    def observe(normalizer: Normalizer, obs):
+        """The statistics updated with a step's observations [E, ...], and those observations
+        as the agent sees them."""
         if not config.normalize_obs:
-            return normalizer, obs, final_obs
+            return normalizer, obs
         obs_stats = merge_stats(normalizer.obs, batch_stats(obs))
-        normalizer = normalizer._replace(obs=obs_stats)
-        return normalizer, normalize(obs_stats, obs), normalize(obs_stats, final_obs)
+        return normalizer._replace(obs=obs_stats), normalize(obs_stats, obs)
+
+    def seen(normalizer: Normalizer, obs):
+        """Observations [E, ...] as the agent sees them under the current statistics."""
+        return normalize(normalizer.obs, obs) if config.normalize_obs else obs
 
     def scale_reward(normalizer: Normalizer, reward, starts, gamma):
         """A step's rewards [E] as the agent learns from them; `starts` [E] marks the envs
@@ -731,7 +739,7 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
         normalizer = Normalizer(
             initial_stats(spec.obs_shape), initial_stats(()), jnp.zeros(envs_per_device)
         )
-        normalizer, obs, _ = observe(normalizer, obs, obs)
+        normalizer, obs = observe(normalizer, obs)
         if recurrent:
             params = network.init(init_key, memory, obs[None], starts[None])
         else:
@@ -774,8 +782,12 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
                 to_env_action(action),
                 env_params,
             )
-            normalizer, obs, final_obs = observe(
-                runner_state.normalizer, obs, info["final_observation"]
+            normalizer, obs = observe(runner_state.normalizer, obs)
+            final_value = truncation_values(
+                runner_state.params,
+                memory,
+                seen(normalizer, info["final_observation"]),
+                truncated,
             )
             normalizer, reward = scale_reward(normalizer, reward, runner_state.starts, hp.gamma)
             transition = Transition(
@@ -787,7 +799,7 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
                 reward,
                 terminated.astype(jnp.float32),
                 truncated.astype(jnp.float32),
-                stored(final_obs),
+                final_value,
                 memory,
                 info["episode_return"],
                 info["episode_length"],
@@ -807,16 +819,12 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
         rollout_memory = runner_state.memory  # [E, H] each sequence's memory before its start
         runner_state, traj = jax.lax.scan(_env_step, runner_state, None, config.num_steps)
 
-        # 2. Targets, with time-limit truncations bootstrapped from their final observation,
-        # seen with the memory of the step that ended in it.
-        params = runner_state.params
+        # 2. Targets: the rollout's last step bootstraps from the value of the observation after
+        # it; the time-limit truncations were valued during the rollout (`truncation_values`).
         _, _, last_value = policy_step(
-            params, runner_state.memory, runner_state.obs, runner_state.starts
+            runner_state.params, runner_state.memory, runner_state.obs, runner_state.starts
         )
-        final_values = continuation_values(params, traj.memory, unstored(traj.final_obs))
-        advantages, targets = rollout_targets(
-            traj, last_value, final_values, hp.gamma, hp.gae_lambda
-        )
+        advantages, targets = rollout_targets(traj, last_value, hp.gamma, hp.gae_lambda)
 
         # 3. Learn: epochs x shuffled minibatches, gradients averaged over devices.
         def _update_epoch(carry, _):
@@ -869,7 +877,7 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
 
         (params, opt_state, key), info = jax.lax.scan(
             _update_epoch,
-            (params, runner_state.opt_state, runner_state.key),
+            (runner_state.params, runner_state.opt_state, runner_state.key),
             None,
             config.update_epochs,
         )

@@ -276,8 +276,8 @@ def train_one_update(ppo, monkeypatch, config, **env_params):
         env, params, spec = make_env(name)
         return ActionRecorder(env), params.replace(**env_params), spec
 
-    def watched_targets(traj, last_value, final_values, gamma, gae_lambda):
-        advantages, targets = targets_of(traj, last_value, final_values, gamma, gae_lambda)
+    def watched_targets(traj, last_value, gamma, gae_lambda):
+        advantages, targets = targets_of(traj, last_value, gamma, gae_lambda)
         jax.debug.callback(
             lambda traj, advantages, targets: seen.update(
                 rollout=traj, advantages=advantages, targets=targets
@@ -297,11 +297,12 @@ def train_one_update(ppo, monkeypatch, config, **env_params):
     monkeypatch.setattr(ppo, "batch_stats", watched_stats)
     trainer = ppo.make_train(config)
     assert trainer.num_updates == 1
-    on_device = functools.partial(jax.vmap, axis_name=DEVICE_AXIS)  # the device axis, size 1
+    # pmapped over one device, as the driver runs a single run: a `lax.cond` stays a branch
+    on_device = functools.partial(jax.pmap, axis_name=DEVICE_AXIS, devices=jax.devices()[:1])
     start = on_device(trainer.init, in_axes=(0, None))(
         jax.random.PRNGKey(0)[None], trainer.hyperparams
     )
-    end, _ = jax.jit(on_device(lambda state: trainer.train_chunk(state, 1)))(start)
+    end, _ = on_device(lambda state: trainer.train_chunk(state, 1))(start)
     jax.effects_barrier()
     assert "rollout" in seen, "the update step no longer calls rollout_targets"
     without_device_axis = functools.partial(jax.tree.map, lambda x: np.asarray(x[0]))

@@ -37,8 +37,9 @@ def gae(rewards, values, last_value, final_values, terminated, truncated, gamma,
         reward=rewards,
         terminated=terminated.astype(np.float32),
         truncated=truncated.astype(np.float32),
+        final_value=final_values,
     )
-    return rollout_targets(rollout, last_value, final_values, gamma, lam)
+    return rollout_targets(rollout, last_value, gamma, lam)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -273,17 +274,19 @@ def test_update_step_bootstraps_truncations_from_the_final_observation(monkeypat
     assert terminated[:-1].any() and (truncated & ~terminated)[:-1].any()
     assert not (terminated | truncated)[-1].all()
 
-    # CartPole's observation is its state: the observation each step ended in, before any
-    # reset, is one step of its dynamics from the observation acted on.
-    final_obs = cartpole_stepped(traj.obs, traj.action)
-    np.testing.assert_allclose(traj.final_obs, final_obs, rtol=1e-5, atol=1e-6)
-
     network = network_of(config)
 
     def value(obs):
         return np.asarray(network.apply(params, obs, method=ActorCritic.value), np.float64)
 
     np.testing.assert_allclose(traj.value, value(traj.obs), rtol=1e-5, atol=1e-6)
+    # CartPole's observation is its state: the observation each step ended in, before any
+    # reset, is one step of its dynamics from the observation acted on. The rollout keeps the
+    # value of that observation where a time limit cut the episode off, and 0.0 elsewhere.
+    final_obs = cartpole_stepped(traj.obs, traj.action)
+    np.testing.assert_allclose(
+        traj.final_value, np.where(truncated, value(final_obs), 0.0), rtol=1e-5, atol=1e-6
+    )
     advantages, targets = gae_reference(
         traj.reward,
         traj.value,
@@ -302,8 +305,8 @@ def test_update_step_bootstraps_truncations_from_the_final_observation(monkeypat
 def test_rollout_keeps_image_observations_flattened(monkeypatch, shared_torso):
     """Breakout-MinAtar's observations [10, 10, 4] are kept [T, E, 400] by the rollout (a TPU
     pads small trailing dimensions, docs/benchmarks.md): the flattened observations acted on,
-    whose critic values are those of the env-shaped ones, and, with --normalize-obs off, the
-    observations each step ended in. With separate networks and with a shared torso."""
+    whose critic values are those of the env-shaped ones. With separate networks and with a
+    shared torso."""
     config = purejaxrl_ppo.Config(
         env="Breakout",
         num_envs=4,
@@ -313,14 +316,9 @@ def test_rollout_keeps_image_observations_flattened(monkeypatch, shared_torso):
         shared_torso=shared_torso,
     )
     seen = train_one_update(purejaxrl_ppo, monkeypatch, config)
-    traj, start, end = seen["rollout"], seen["start"], seen["end"]
-    assert traj.obs.shape == traj.final_obs.shape == (8, 4, 400)
+    traj, start = seen["rollout"], seen["start"]
+    assert traj.obs.shape == (8, 4, 400)
     np.testing.assert_array_equal(traj.obs[0], np.reshape(start.obs, (4, 400)))
-    # where an episode ran on, the step ended in the observation the next step acted on
-    next_obs = np.concatenate([traj.obs[1:], np.reshape(end.obs, (1, 4, 400))])
-    running = np.asarray(traj.terminated + traj.truncated) == 0
-    assert running.any() and not running.all()
-    np.testing.assert_array_equal(traj.final_obs[running], next_obs[running])
     env_shaped = np.reshape(traj.obs, (8, 4, 10, 10, 4))
     value = network_of(config).apply(start.params, env_shaped, method=ActorCritic.value)
     np.testing.assert_allclose(traj.value, value, rtol=1e-5, atol=1e-6)

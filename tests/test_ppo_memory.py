@@ -90,6 +90,7 @@ def test_update_step_resets_memory_where_episodes_start_and_bootstraps_with_it(m
     def step(memory, obs):  # the network on one step that continues its episode
         return network.apply(params, memory, obs[None], no_start)
 
+    final_obs = cartpole_stepped(traj.obs, traj.action)  # before any reset
     memory = np.full((4, 16), np.nan, np.float32)  # never read: the first step starts episodes
     values, log_probs, final_values = [], [], []
     for t in range(config.num_steps):
@@ -97,9 +98,12 @@ def test_update_step_resets_memory_where_episodes_start_and_bootstraps_with_it(m
         memory, pi, value = step(memory, traj.obs[t])
         values.append(value[0])
         log_probs.append(pi.log_prob(traj.action[t][None])[0])
-        final_values.append(step(memory, traj.final_obs[t])[2][0])
+        final_values.append(step(memory, final_obs[t])[2][0])
     np.testing.assert_allclose(traj.value, np.stack(values), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(traj.log_prob, np.stack(log_probs), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        traj.final_value, np.where(truncated, np.stack(final_values), 0.0), rtol=1e-5, atol=1e-5
+    )
     np.testing.assert_allclose(end.memory, memory, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(end.starts, done[-1])
     last_value = step(np.where(done[-1][:, None], 0.0, memory), end.obs)[2][0]
@@ -205,7 +209,8 @@ def test_update_step_normalises_observations_and_rewards_with_the_running_statis
     it, or a reset) and the discounted returns of CartPole's reward 1, restarted with each
     episode. The agent acts on each observation scaled by the statistics of every observation
     so far, itself included (CleanRL's wrapper order), and learns from each reward divided by
-    the discounted returns' standard deviation so far."""
+    the discounted returns' standard deviation so far. A time limit's bootstrap values the
+    observation the episode was cut off in, scaled by the statistics of its step."""
     config = purejaxrl_ppo.Config(
         num_envs=4,
         num_steps=32,
@@ -217,8 +222,14 @@ def test_update_step_normalises_observations_and_rewards_with_the_running_statis
     )
     seen = train_one_update(purejaxrl_ppo, monkeypatch, config, max_steps_in_episode=20)
     traj, steps = seen["rollout"], config.num_steps
-    done = (traj.terminated > 0) | (traj.truncated > 0)
-    assert done[:-1].any()
+    truncated = traj.truncated > 0
+    done = (traj.terminated > 0) | truncated
+    assert done[:-1].any() and truncated.any()
+    network, params = network_of(config), seen["start"].params
+
+    def value(obs):  # the critic's, with the parameters the rollout acted with
+        return network.apply(params, obs, method=purejaxrl_ppo.ActorCritic.value)
+
     raw_obs = [b for b in seen["stats_batches"] if b.ndim == 2]  # the reset's, then each step's
     discounted = [b for b in seen["stats_batches"] if b.ndim == 1]
     assert len(raw_obs) == steps + 1 and len(discounted) == steps
@@ -236,8 +247,9 @@ def test_update_step_normalises_observations_and_rewards_with_the_running_statis
         _, mean, var = plain_stats(raw_obs[: t + 1].reshape(-1, 4), prior)
         np.testing.assert_allclose(traj.obs[t], scaled(raw_obs[t], var, mean), rtol=1e-4, atol=1e-4)
         _, mean, var = plain_stats(raw_obs[: t + 2].reshape(-1, 4), prior)
+        final_value = value(scaled(raw_final[t], var, mean).astype(np.float32))
         np.testing.assert_allclose(
-            traj.final_obs[t], scaled(raw_final[t], var, mean), rtol=1e-4, atol=1e-4
+            traj.final_value[t], np.where(truncated[t], final_value, 0.0), rtol=1e-4, atol=1e-4
         )
         episode_starts = np.ones(4, bool) if t == 0 else done[t - 1]
         expected_return = 1.0 + config.gamma * np.where(episode_starts, 0.0, expected_return)
