@@ -551,7 +551,6 @@ class Transition(NamedTuple):
     terminated: jax.Array  # [E] 1.0 where the episode ended in a terminal state
     truncated: jax.Array  # [E] 1.0 where a time limit cut the episode off
     final_value: jax.Array  # [E] value of the observation a truncated step ended in (else 0.0)
-    memory: jax.Array  # [E, H] the policy's memory after acting on obs (() without --memory)
     episode_return: jax.Array  # [E] return of the episode that ended here (where done)
     episode_length: jax.Array  # [E]
     episode_stats: dict  # {name: [E]} the env family's extra statistics of that episode
@@ -800,7 +799,6 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
                 terminated.astype(jnp.float32),
                 truncated.astype(jnp.float32),
                 final_value,
-                memory,
                 info["episode_return"],
                 info["episode_length"],
                 info["episode_stats"],
