@@ -660,16 +660,22 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
             return network.apply(params, obs, method=ActorCritic.value)
         return policy_step(params, memory, obs, jnp.zeros(obs.shape[0], bool))[2]
 
+    # Most steps truncate no episode. On the CPU a branch skips their value pass; on an
+    # accelerator the branch inside the rollout costs more than the pass (docs/benchmarks.md).
+    skip_untruncated = runtime.backend == "cpu"
+
     def truncation_values(params, memory, final_obs, truncated):
         """The bootstrap values [E] of one step's time-limit truncations: the value of the
         observation an episode was cut off in (final_obs [E, ...], as the agent sees it), and
-        0.0 where it was not. Most steps truncate no episode, so they skip the value pass (a
-        real branch; under vmap over seeds or sweeps `cond` becomes a select and computes it)."""
-        return jax.lax.cond(
-            truncated.any(),
-            lambda: jnp.where(truncated, continuation_value(params, memory, final_obs), 0.0),
-            lambda: jnp.zeros(truncated.shape),
-        )
+        0.0 where it was not. On the CPU, computed only on steps that truncate (a real branch;
+        under vmap over seeds or sweeps `cond` becomes a select and computes it)."""
+
+        def values():
+            return jnp.where(truncated, continuation_value(params, memory, final_obs), 0.0)
+
+        if not skip_untruncated:
+            return values()
+        return jax.lax.cond(truncated.any(), values, lambda: jnp.zeros(truncated.shape))
 
     # A rollout keeps its observations flattened, [T, E, obs_size], as PureJaxRL's flattening
     # wrapper gives them: a TPU lays out an array's last two dimensions in tiles of 8 x 128, so

@@ -249,7 +249,7 @@ def gae_reference(rewards, values, last_value, final_values, terminated, truncat
     return advantages, advantages + values
 
 
-def train_one_update(ppo, monkeypatch, config, **env_params):
+def train_one_update(ppo, monkeypatch, config, runtime=None, **env_params):
     """One update step of the real trainer of the PPO module `ppo`, with these gymnax env params
     replaced, watched from outside: its state before and after, the rollout it collected and the advantages and targets
     it learned from (as `rollout_targets` returned them), every action its environments
@@ -295,7 +295,7 @@ def train_one_update(ppo, monkeypatch, config, **env_params):
     monkeypatch.setattr(ppo, "make_env", make_watched_env)
     monkeypatch.setattr(ppo, "rollout_targets", watched_targets)
     monkeypatch.setattr(ppo, "batch_stats", watched_stats)
-    trainer = ppo.make_train(config)
+    trainer = ppo.make_train(config, runtime)
     assert trainer.num_updates == 1
     # pmapped over one device, as the driver runs a single run: a `lax.cond` stays a branch
     on_device = functools.partial(jax.pmap, axis_name=DEVICE_AXIS, devices=jax.devices()[:1])

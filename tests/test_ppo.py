@@ -258,15 +258,20 @@ def test_updates_equal_purejaxrl_reference_updates_from_the_same_state():
         )
 
 
-def test_update_step_bootstraps_truncations_from_the_final_observation(monkeypatch):
+@pytest.mark.parametrize("backend", ["cpu", "gpu"])
+def test_update_step_bootstraps_truncations_from_the_final_observation(monkeypatch, backend):
     """CartPole cut off after 20 steps: the advantages and targets the update step learns from
     are textbook GAE of the rollout it collected, where a truncated step bootstraps from the
     value of its final observation (before the automatic reset), the rollout's last step from
-    the value of the observation after it, and a terminated step from nothing."""
+    the value of the observation after it, and a terminated step from nothing. Built for the
+    CPU (the value pass skipped on steps without a truncation) and for an accelerator (the
+    pass on every step), both run here."""
     config = purejaxrl_ppo.Config(
         num_envs=4, num_steps=64, num_minibatches=2, update_epochs=1, total_timesteps=256
     )
-    seen = train_one_update(purejaxrl_ppo, monkeypatch, config, max_steps_in_episode=20)
+    seen = train_one_update(
+        purejaxrl_ppo, monkeypatch, config, Runtime(backend=backend), max_steps_in_episode=20
+    )
     traj, params = seen["rollout"], seen["start"].params
     terminated, truncated = traj.terminated > 0, traj.truncated > 0
     # Every case occurs: terminations and truncations before the last step, and environments
