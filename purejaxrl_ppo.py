@@ -688,6 +688,10 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
         """Stored observations [..., obs_size] in their env shape, [..., *obs_shape]."""
         return obs.reshape(*obs.shape[:-1], *spec.obs_shape)
 
+    def seen(normalizer: Normalizer, obs):
+        """Observations [E, ...] as the agent sees them under the current statistics."""
+        return normalize(normalizer.obs, obs) if config.normalize_obs else obs
+
     # As CleanRL's wrappers do, the statistics first take in what the environments returned
     # (observations, not final observations; discounted returns), then scale it.
     def observe(normalizer: Normalizer, obs):
@@ -695,12 +699,8 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
         as the agent sees them."""
         if not config.normalize_obs:
             return normalizer, obs
-        obs_stats = merge_stats(normalizer.obs, batch_stats(obs))
-        return normalizer._replace(obs=obs_stats), normalize(obs_stats, obs)
-
-    def seen(normalizer: Normalizer, obs):
-        """Observations [E, ...] as the agent sees them under the current statistics."""
-        return normalize(normalizer.obs, obs) if config.normalize_obs else obs
+        normalizer = normalizer._replace(obs=merge_stats(normalizer.obs, batch_stats(obs)))
+        return normalizer, seen(normalizer, obs)
 
     def scale_reward(normalizer: Normalizer, reward, starts, gamma):
         """A step's rewards [E] as the agent learns from them; `starts` [E] marks the envs
@@ -903,8 +903,7 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
         with (frozen)."""
 
         def act(obs, memory):
-            if config.normalize_obs:
-                obs = normalize(runner_state.normalizer.obs, obs)
+            obs = seen(runner_state.normalizer, obs)
             starts = jnp.zeros(obs.shape[0], bool)  # the memory starts at zero instead
             memory, pi, _ = policy_step(runner_state.params, memory, obs, starts)
             return to_env_action(pi.mode()), memory
