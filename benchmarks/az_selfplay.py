@@ -1,23 +1,26 @@
-"""AlphaZero self-play throughput, ours next to the pgx AlphaZero example's, in one process.
+"""AlphaZero throughput, ours next to the pgx AlphaZero example's, in one process.
 
     python benchmarks/az_selfplay.py                      # tic_tac_toe x 256, connect_four x 128
     python benchmarks/az_selfplay.py --cpu-devices 2      # the host split into 2 XLA devices
     python benchmarks/az_selfplay.py --games othello:64 --iterations 10
 
-The reference is the self-play step of pgx's examples/alphazero/train.py (rebuilt in
-benchmarks/references.py) with that example's configuration scaled down: its ResNet v2
-(BatchNorm, 2 blocks x 32 channels, XLA convolutions), 32 simulations of Gumbel MuZero,
-`auto_reset` games, pmapped over the local devices. It only plays: moves/s of one jitted call
-of `--rollout-steps` moves (returning the positions, search policies and rewards the example
-trains on), compile excluded.
+The example is pgx's examples/alphazero/train.py (rebuilt in benchmarks/references.py) with its
+configuration scaled down: its ResNet v2 (BatchNorm, 2 blocks x 32 channels, XLA
+convolutions), 32 simulations of Gumbel MuZero, `auto_reset` games, pmapped over the local
+devices. It is measured two ways, moves/s with compilation excluded:
+- its self-play step alone: one jitted call of `--rollout-steps` moves, returning the
+  positions, search policies and rewards the example trains on;
+- its whole iteration, as its loop runs one: that self-play, the value targets, the positions
+  fetched to the host and shuffled, and one epoch of SGD in batches of 4 positions per game
+  (the example's 4,096 for 1,024 games), each step's losses read back.
 
-Ours is `purejaxrl_az.py` at the game's preset (same network size, simulations and number of
-games) through the normal driver, so its moves/s also pay for the replay buffer, value targets,
-SGD, the in-loop evaluation every `--eval-every` iterations, metrics and checkpoints.
+Ours is `purejaxrl_az.py` at the game's preset with the same network size, simulations and
+number of games, training on each position about once as the example does, through the normal
+driver: its moves/s also pay for the replay buffer, metrics, checkpoints and the in-loop
+evaluation every `--eval-every` iterations, which the example does not have.
 
-The two alternate for `--rounds` rounds per game, so that a machine's drifting speed hits both;
-moves/s exclude compilation, and later rounds of ours read their program from a compilation
-cache.
+The three alternate for `--rounds` rounds per game, so that a machine's drifting speed hits
+each; later rounds of ours read their program from a compilation cache.
 """
 
 from __future__ import annotations
@@ -37,7 +40,12 @@ import tyro
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import purejaxrl_az
-from benchmarks.references import ReferenceNet, reference_selfplay
+from benchmarks.references import (
+    AZ_ON_CPU,
+    ReferenceAlphaZero,
+    ReferenceNet,
+    reference_selfplay,
+)
 from utils.cli import parse_config
 from utils.devices import split_cpu_host
 from utils.driver import run_training
@@ -54,7 +62,7 @@ class Args:
     rounds: int = 2
     """times the reference and ours each run per game, alternating"""
     rollout_steps: int = 32
-    """moves per game in one call of the reference self-play"""
+    """moves per game in one call of the example's self-play, and in one of its iterations"""
     num_simulations: int = 32
     """MCTS simulations per move, both implementations"""
     cpu_devices: int = 0
@@ -95,15 +103,54 @@ def compile_reference(game: str, num_games: int, steps: int, simulations: int):
     return moves_per_second, compile_seconds
 
 
+def compile_whole_iteration(game: str, num_games: int, steps: int, simulations: int):
+    """The pgx example's whole iteration, compiled: (a function that times it and returns
+    moves/s, compile seconds)."""
+    settings = AZ_ON_CPU._replace(
+        selfplay_batch_size=num_games,
+        max_num_steps=steps,
+        training_batch_size=4 * num_games,
+        num_simulations=simulations,
+    )
+    example = ReferenceAlphaZero(game, settings)
+    init_key, compile_key, key = jax.random.split(jax.random.PRNGKey(2), 3)
+    variables, opt_state = example.init(init_key)
+    start = time.perf_counter()
+    example.compile(variables, opt_state, compile_key)
+    compile_seconds = time.perf_counter() - start
+
+    def moves_per_second() -> float:
+        """The median of three timed iterations after a warm-up one, training on."""
+        nonlocal variables, opt_state, key
+        times = []
+        for _ in range(4):
+            key, iteration_key = jax.random.split(key)
+            start = time.perf_counter()
+            variables, opt_state = example.iterate(variables, opt_state, iteration_key)
+            jax.block_until_ready(variables)
+            times.append(time.perf_counter() - start)
+        return example.moves_per_iteration / sorted(times[1:])[1]
+
+    return moves_per_second, compile_seconds
+
+
 def ours_moves_per_second(args: Args, game: str, num_games: str, runs_dir: str):
     """(moves/s, compile s) of one `purejaxrl_az.py` run through the driver."""
     cli = ["--env", game, "--num-games", num_games, "--runs-dir", runs_dir]
     cli += ["--num-iterations", str(args.iterations), "--no-progress"]
     cli += ["--num-simulations", str(args.num_simulations), "--cpu-devices"]
     cli += [str(args.cpu_devices), *args.extra.split()]  # the benchmark sets devices
-    config = parse_config(
-        purejaxrl_az.Config, purejaxrl_az.PRESETS, cli, preset_key=purejaxrl_az.resolve_game
-    )
+
+    def config_of(cli):
+        return parse_config(
+            purejaxrl_az.Config, purejaxrl_az.PRESETS, cli, preset_key=purejaxrl_az.resolve_game
+        )
+
+    config = config_of(cli)
+    # As many positions per iteration as it plays, as the example trains (after the flags
+    # above, so that --extra's sizes count; a flag given twice takes the last).
+    updates = max(1, config.num_games * config.rollout_steps // config.minibatch_size)
+    config = config_of([*cli, "--updates-per-iteration", str(updates)])
     summary = run_training(config, purejaxrl_az.make_train, purejaxrl_az.validate)
     return summary["steps_per_second"], summary["compile_seconds"]
 
@@ -116,12 +163,13 @@ def main(args: Args) -> list[dict]:
             jax.config.update("jax_compilation_cache_dir", os.path.join(runs_dir, "jax_cache"))
         for entry in args.games:
             game, num_games = entry.split(":")
-            reference, reference_compile = compile_reference(
-                game, int(num_games), args.rollout_steps, args.num_simulations
-            )
-            reference_runs, our_runs = [], []
+            sizes = (game, int(num_games), args.rollout_steps, args.num_simulations)
+            reference, reference_compile = compile_reference(*sizes)
+            whole, whole_compile = compile_whole_iteration(*sizes)
+            reference_runs, whole_runs, our_runs = [], [], []
             for _ in range(args.rounds):
                 reference_runs.append(reference())
+                whole_runs.append(whole())
                 our_runs.append(ours_moves_per_second(args, game, num_games, runs_dir))
             ours = [moves for moves, _ in our_runs]
             results.append(
@@ -131,23 +179,34 @@ def main(args: Args) -> list[dict]:
                     "devices": f"{jax.local_device_count()} x {jax.devices()[0].device_kind}",
                     "reference_moves_per_second": [round(m) for m in reference_runs],
                     "reference_compile_seconds": round(reference_compile, 2),
+                    "whole_iteration_moves_per_second": [round(m) for m in whole_runs],
+                    "whole_iteration_compile_seconds": round(whole_compile, 2),
                     "ours_moves_per_second": [round(m) for m in ours],
                     # Later rounds load the program from the compilation cache.
                     "ours_compile_seconds": round(our_runs[0][1], 2),
                     "ratio": round(float(np.median(ours) / np.median(reference_runs)), 3),
+                    "ratio_to_whole_iteration": round(
+                        float(np.median(ours) / np.median(whole_runs)), 3
+                    ),
                 }
             )
     print(
-        "| game | games | devices | pgx example moves/s (each round) | ours moves/s (each round) "
-        "| ratio of medians | compile s |"
+        "| game | games | devices | example's self-play moves/s | example's whole iteration "
+        "moves/s | ours moves/s | ours over self-play, over whole iteration | compile s "
+        "(self-play / whole iteration / ours) |"
     )
-    print("|---|---:|---|---|---|---:|---|")
+    print("|---|---:|---|---|---|---|---|---|")
     for r in results:
-        reference = " / ".join(f"{m:,}" for m in r["reference_moves_per_second"])
-        ours = " / ".join(f"{m:,}" for m in r["ours_moves_per_second"])
+        rounds = [
+            " / ".join(f"{m:,}" for m in r[f"{side}_moves_per_second"])
+            for side in ("reference", "whole_iteration", "ours")
+        ]
+        compiles = [
+            r[f"{side}_compile_seconds"] for side in ("reference", "whole_iteration", "ours")
+        ]
         print(
-            f"| {r['game']} | {r['num_games']} | {r['devices']} | {reference} | {ours} | "
-            f"{r['ratio']} | {r['reference_compile_seconds']} / {r['ours_compile_seconds']} |"
+            f"| {r['game']} | {r['num_games']} | {r['devices']} | {' | '.join(rounds)} | "
+            f"{r['ratio']}, {r['ratio_to_whole_iteration']} | {' / '.join(map(str, compiles))} |"
         )
     if args.out:
         write_json(args.out, results)
