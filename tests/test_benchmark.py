@@ -50,7 +50,7 @@ def check_az_selfplay_benchmark(tmp_path):
     assert (row["game"], row["num_games"]) == ("connect_four", 16)
     sides = ("reference", "whole_iteration", "ours")
     rounds = [row[f"{side}_moves_per_second"] for side in sides]
-    assert [len(r) for r in rounds] == [2, 2, 2] and min(sum(rounds, [])) > 0
+    assert [len(r) for r in rounds] == [2, 2, 2] and min(min(r) for r in rounds) > 0
     assert min(row[f"{side}_compile_seconds"] for side in sides) > 0
     assert row["ratio"] > 0 and row["ratio_to_whole_iteration"] > 0
     assert "| connect_four | 16 | 1 x cpu |" in result.stdout
