@@ -65,7 +65,7 @@ from utils.board_eval import (
     write_game_records,
 )
 from utils.cli import RunConfig, exit_on_config_error, parse_config, require_in, require_positive
-from utils.devices import DEVICE_AXIS, device_mean, device_sum
+from utils.devices import DEVICE_AXIS, available_cores, device_mean, device_sum
 from utils.driver import run_training
 from utils.errors import ConfigError
 from utils.layers import Conv3x3
@@ -478,28 +478,37 @@ def game_shapes(env) -> tuple[int, tuple[int, ...]]:
     return state.legal_action_mask.shape[-1], state.observation.shape
 
 
-def make_networks(config: Config, env, *, one_run: bool) -> tuple[nn.Module, nn.Module]:
+def make_networks(
+    config: Config, env, *, one_run: bool, one_core_each: bool = False
+) -> tuple[nn.Module, nn.Module]:
     """The ResNet for search and the same one for SGD (`learner`): one set of parameters,
     several ways to compute its convolutions (utils/layers.py). On boards of at most 3x3
     (tic_tac_toe) one dense matmul over the whole board does the convolution's own arithmetic,
-    fastest for search and SGD alike. On larger boards, with one run, search runs XLA's
-    convolution, faster for a forward pass; SGD, and all of it with vmapped seeds or sweep
-    configurations (`one_run` False), the matmul form, since XLA's convolution gradient in a
-    loop and its convolution with batched parameters are slow on CPU (docs/benchmarks.md).
-    2048 gets its MLP."""
+    fastest for SGD, and for search while XLA can spread that matmul over several cores of a
+    device; with one run on a CPU split into a device per core (`one_core_each`), search runs
+    XLA's convolution instead. On larger boards, with one run, search runs XLA's convolution,
+    faster for a forward pass; SGD, and all of it with vmapped seeds or sweep configurations
+    (`one_run` False), the matmul form, since XLA's convolution gradient in a loop and its
+    convolution with batched parameters are slow on CPU (docs/benchmarks.md). 2048 gets its
+    MLP."""
     num_actions, observation_shape = game_shapes(env)
     if env.id == "2048":
         network = MLPNet(num_actions, config.num_blocks, config.num_channels)
         return network, network
-    small_board = max(observation_shape[:2]) <= 3
+    if max(observation_shape[:2]) <= 3:
+        search_method = "xla" if one_run and one_core_each else "dense"
+        learner_method = "dense"
+    else:
+        search_method = "xla" if one_run else "matmul"
+        learner_method = "matmul"
     network = ResNet(
         num_actions,
         config.num_blocks,
         config.num_channels,
         config.batch_norm,
-        conv_method="dense" if small_board else "xla" if one_run else "matmul",
+        conv_method=search_method,
     )
-    return network, network.clone(conv_method="dense" if small_board else "matmul")
+    return network, network.clone(conv_method=learner_method)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1432,7 +1441,12 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
         action_permutations(game, num_actions) if config.augment else np.arange(num_actions)[None]
     )
     oracle_table = jax.device_put(solve_tic_tac_toe()) if game == "tic_tac_toe" else None
-    network, learner = make_networks(config, env, one_run=runtime.num_runs == 1)
+    network, learner = make_networks(
+        config,
+        env,
+        one_run=runtime.num_runs == 1,
+        one_core_each=runtime.backend == "cpu" and available_cores() <= jax.local_device_count(),
+    )
 
     search_fn = functools.partial(
         agent_search,

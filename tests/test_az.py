@@ -369,6 +369,38 @@ def test_building_the_trainer_compiles_nothing():
     assert compiles == []
 
 
+@pytest.mark.parametrize(
+    "game,cores,backend,num_runs,search,learner",
+    [
+        # tic_tac_toe: XLA's convolution for search only with one CPU core per device, one run
+        ("tic_tac_toe", 1, "cpu", 1, "xla", "dense"),
+        ("tic_tac_toe", 2, "cpu", 1, "dense", "dense"),
+        ("tic_tac_toe", 1, "cpu", 2, "dense", "dense"),
+        ("tic_tac_toe", 1, "gpu", 1, "dense", "dense"),
+        ("connect_four", 2, "cpu", 1, "xla", "matmul"),
+        ("connect_four", 1, "cpu", 2, "matmul", "matmul"),
+    ],
+)
+def test_convolution_forms_follow_the_runs_and_the_cores_per_device(
+    monkeypatch, game, cores, backend, num_runs, search, learner
+):
+    """make_train picks each network's Conv3x3 form from the runtime and the host's cores per
+    XLA device (this process has one device)."""
+    built = []
+    make_networks = purejaxrl_az.make_networks
+
+    def recording(*args, **kwargs):
+        built.append(make_networks(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(purejaxrl_az, "make_networks", recording)
+    monkeypatch.setattr(purejaxrl_az, "available_cores", lambda: cores)
+    config = parse_config(Config, PRESETS, ["--env", game], preset_key=resolve_game)
+    make_train(config, Runtime(num_runs=num_runs, backend=backend))
+    ((network, learner_network),) = built
+    assert (network.conv_method, learner_network.conv_method) == (search, learner)
+
+
 def test_loss_ignores_illegal_moves_and_masked_samples():
     logits = jnp.array([[2.0, 0.0, 50.0], [0.0, 0.0, 0.0]])
     legal = jnp.array([[True, True, False], [True, True, True]])
