@@ -60,7 +60,7 @@ class Args:
     """iterations of our trainer per game (a multiple of the preset's --eval-every includes
     its evaluations)"""
     rounds: int = 2
-    """times the reference and ours each run per game, alternating"""
+    """times each of the three sides runs per game, alternating"""
     rollout_steps: int = 32
     """moves per game in one call of the example's self-play, and in one of its iterations"""
     num_simulations: int = 32
