@@ -483,24 +483,20 @@ def make_networks(
 ) -> tuple[nn.Module, nn.Module]:
     """The ResNet for search and the same one for SGD (`learner`): one set of parameters,
     several ways to compute its convolutions (utils/layers.py). On boards of at most 3x3
-    (tic_tac_toe) one dense matmul over the whole board does the convolution's own arithmetic,
+    (tic_tac_toe) one dense matmul over the whole board does the convolution's own arithmetic:
     fastest for SGD, and for search while XLA can spread that matmul over several cores of a
-    device; with one run on a CPU split into a device per core (`one_core_each`), search runs
-    XLA's convolution instead. On larger boards, with one run, search runs XLA's convolution,
-    faster for a forward pass; SGD, and all of it with vmapped seeds or sweep configurations
-    (`one_run` False), the matmul form, since XLA's convolution gradient in a loop and its
-    convolution with batched parameters are slow on CPU (docs/benchmarks.md). 2048 gets its
-    MLP."""
+    device. Otherwise, on larger boards and on a CPU split into a device per core
+    (`one_core_each`), search runs XLA's convolution with one run, faster for a forward pass,
+    and the matmul form with vmapped seeds or sweep configurations (`one_run` False), where
+    XLA's convolution with batched parameters is slow. SGD on larger boards runs the matmul
+    form: XLA's convolution gradient in a loop is slow on CPU (docs/benchmarks.md). 2048 gets
+    its MLP."""
     num_actions, observation_shape = game_shapes(env)
     if env.id == "2048":
         network = MLPNet(num_actions, config.num_blocks, config.num_channels)
         return network, network
-    if max(observation_shape[:2]) <= 3:
-        search_method = "xla" if one_run and one_core_each else "dense"
-        learner_method = "dense"
-    else:
-        search_method = "xla" if one_run else "matmul"
-        learner_method = "matmul"
+    small_board = max(observation_shape[:2]) <= 3
+    search_method = "dense" if small_board and not one_core_each else "xla" if one_run else "matmul"
     network = ResNet(
         num_actions,
         config.num_blocks,
@@ -508,7 +504,7 @@ def make_networks(
         config.batch_norm,
         conv_method=search_method,
     )
-    return network, network.clone(conv_method=learner_method)
+    return network, network.clone(conv_method="dense" if small_board else "matmul")
 
 
 # ---------------------------------------------------------------------------------------------

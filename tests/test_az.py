@@ -372,10 +372,11 @@ def test_building_the_trainer_compiles_nothing():
 @pytest.mark.parametrize(
     "game,cores,backend,num_runs,search,learner",
     [
-        # tic_tac_toe: XLA's convolution for search only with one CPU core per device, one run
+        # tic_tac_toe's search: dense unless the CPU has one core per device
         ("tic_tac_toe", 1, "cpu", 1, "xla", "dense"),
+        ("tic_tac_toe", 1, "cpu", 2, "matmul", "dense"),
         ("tic_tac_toe", 2, "cpu", 1, "dense", "dense"),
-        ("tic_tac_toe", 1, "cpu", 2, "dense", "dense"),
+        ("tic_tac_toe", 2, "cpu", 2, "dense", "dense"),
         ("tic_tac_toe", 1, "gpu", 1, "dense", "dense"),
         ("connect_four", 2, "cpu", 1, "xla", "matmul"),
         ("connect_four", 1, "cpu", 2, "matmul", "matmul"),

@@ -36,8 +36,9 @@ class Conv3x3(nn.Module):
       features] matrix gathered from the kernel. On a board of at most 3x3 every output sees
       the whole board, so this is the convolution's own arithmetic in one matmul: faster than
       both others for a tic_tac_toe forward pass on CPU while a core is idle (XLA then runs
-      the one matmul on two); with one device per core, every core busy, "xla" searches
-      faster. Larger boards pay height*width/9 times the arithmetic: slower there.
+      the one matmul on two); with one device per core, every core busy, "xla" (one seed)
+      and "matmul" (vmapped seeds) search faster. Larger boards pay height*width/9 times the
+      arithmetic: slower there.
 
     The measurements are in docs/benchmarks.md, "Convolutions on XLA:CPU".
     """
