@@ -30,6 +30,8 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -73,6 +75,18 @@ class Args:
     """also write the results to this JSON file"""
 
 
+def median_seconds(call: Callable[[], Any]) -> float:
+    """The median wall time of three calls of `call` after a warm-up call, each timed until
+    what it returns is computed."""
+    jax.block_until_ready(call())
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        jax.block_until_ready(call())
+        times.append(time.perf_counter() - start)
+    return sorted(times)[1]
+
+
 def compile_reference(game: str, num_games: int, steps: int, simulations: int):
     """The pgx example's self-play step, compiled: (a function that times it and returns
     moves/s, compile seconds)."""
@@ -91,14 +105,9 @@ def compile_reference(game: str, num_games: int, steps: int, simulations: int):
     compile_seconds = time.perf_counter() - start
 
     def moves_per_second() -> float:
-        """The median of three timed calls after a warm-up call."""
-        jax.block_until_ready(compiled(replicated, keys))
-        times = []
-        for _ in range(3):
-            start = time.perf_counter()
-            jax.block_until_ready(compiled(replicated, keys))
-            times.append(time.perf_counter() - start)
-        return games_per_device * devices * steps / sorted(times)[1]
+        return (
+            games_per_device * devices * steps / median_seconds(lambda: compiled(replicated, keys))
+        )
 
     return moves_per_second, compile_seconds
 
@@ -119,17 +128,15 @@ def compile_whole_iteration(game: str, num_games: int, steps: int, simulations: 
     example.compile(variables, opt_state, compile_key)
     compile_seconds = time.perf_counter() - start
 
-    def moves_per_second() -> float:
-        """The median of three timed iterations after a warm-up one, training on."""
+    def one_iteration():
+        """The next iteration, training on from the last one."""
         nonlocal variables, opt_state, key
-        times = []
-        for _ in range(4):
-            key, iteration_key = jax.random.split(key)
-            start = time.perf_counter()
-            variables, opt_state = example.iterate(variables, opt_state, iteration_key)
-            jax.block_until_ready(variables)
-            times.append(time.perf_counter() - start)
-        return example.moves_per_iteration / sorted(times[1:])[1]
+        key, iteration_key = jax.random.split(key)
+        variables, opt_state = example.iterate(variables, opt_state, iteration_key)
+        return variables
+
+    def moves_per_second() -> float:
+        return example.moves_per_iteration / median_seconds(one_iteration)
 
     return moves_per_second, compile_seconds
 
@@ -141,16 +148,13 @@ def ours_moves_per_second(args: Args, game: str, num_games: str, runs_dir: str):
     cli += ["--num-simulations", str(args.num_simulations), "--cpu-devices"]
     cli += [str(args.cpu_devices), *args.extra.split()]  # the benchmark sets devices
 
-    def config_of(cli):
-        return parse_config(
-            purejaxrl_az.Config, purejaxrl_az.PRESETS, cli, preset_key=purejaxrl_az.resolve_game
-        )
-
-    config = config_of(cli)
-    # As many positions per iteration as it plays, as the example trains (after the flags
-    # above, so that --extra's sizes count; a flag given twice takes the last).
+    config = parse_config(
+        purejaxrl_az.Config, purejaxrl_az.PRESETS, cli, preset_key=purejaxrl_az.resolve_game
+    )
+    # As many positions per iteration as it plays, as the example trains (--extra's sizes
+    # included).
     updates = max(1, config.num_games * config.rollout_steps // config.minibatch_size)
-    config = config_of([*cli, "--updates-per-iteration", str(updates)])
+    config = dataclasses.replace(config, updates_per_iteration=updates)
     summary = run_training(config, purejaxrl_az.make_train, purejaxrl_az.validate)
     return summary["steps_per_second"], summary["compile_seconds"]
 
