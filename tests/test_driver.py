@@ -212,6 +212,28 @@ def test_sweep_configuration_equals_a_single_run(tmp_path):
     ]
 
 
+def test_the_chunk_program_makes_the_hyperparameters_every_run_shares_constants(tmp_path):
+    # A stub whose state holds other values than the runs' HyperParams: rate 1 and target + 1.
+    # The chunk program takes the shared target from the runs' values (its constant, 1.0) and
+    # the swept rate from the state (1.0), so that every run's x reaches 1.0 in one update.
+    # Read from the state alone, x would reach 2.0; with the rate folded too, x would not
+    # reach 1.0 in one update.
+    stub = make_stub()
+
+    def make_train(config, runtime=None):
+        trainer = stub(config, runtime)
+
+        def init(key, hp):
+            state = trainer.init(key, hp)
+            return {**state, "hp": hp._replace(rate=jnp.ones_like(hp.rate), target=hp.target + 1)}
+
+        return dataclasses.replace(trainer, init=init)
+
+    summary = train(tmp_path, make_train, num_seeds=2, sweep=("rate=0.1,0.5",), eval_episodes=0)
+    rows = read_rows(summary["run_dir"])
+    assert [float(r["episode_return"]) for r in rows] == [1.0] * len(rows)
+
+
 def test_a_headline_metric_never_reported_ends_the_run_without_numpy_warnings(tmp_path):
     """No run reported its headline metric (no episode ended in a short run, here NaN from the
     first update): final_mean and final_std are NaN, in the summary and in the sweep's ranking,

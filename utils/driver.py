@@ -67,6 +67,7 @@ from utils.trainer import (
     at_last_update,
     build_trainer,
     check_chunk_metrics,
+    hyperparams_as_constants,
     hyperparams_of,
 )
 from utils.video import write_episode_gif
@@ -612,12 +613,14 @@ class _ChunkRunner:
         trainer, length, masked = self.plan.trainer, self.length, self.masked
 
         def chunk_and_check(state, *num_active):
+            state = hyperparams_as_constants(state, self.plan.run_hyperparams)
             state, metrics = trainer.train_chunk(state, length, *num_active)
             finite = _state_finite(trainer.guarded_state(state)) if self.check_state else True
             return state, metrics, jnp.asarray(finite)
 
         def evaluate(state, *num_active):
             last = num_active[0] - 1 if masked else length - 1
+            state = hyperparams_as_constants(state, self.plan.run_hyperparams)
             return at_last_update(trainer.chunk_evaluation(state), length, last)
 
         in_axes = (0, None) if masked else 0

@@ -6,7 +6,9 @@ A trainer script (`purejaxrl_*.py`) provides four things:
 - `HyperParams`: a NamedTuple of the hyperparameters that change no array shape. Each field is
   named after the `Config` field it comes from, so that `--sweep` can vary it inside one
   compiled program: the values travel in the training state as arrays (int32 where the
-  `Config` field is an int, float32 otherwise), never as constants of the program.
+  `Config` field is an int, float32 otherwise), in the HyperParams that `init` was given.
+  The driver's programs make each field that every run shares a constant of the program
+  (`hyperparams_as_constants`); the fields a sweep varies stay arrays.
 - `validate(config, runtime)`: raises `ConfigError` (one sentence) for a bad config. It is
   cheap, builds no network and compiles nothing; the driver calls it for the config and for
   every sweep configuration before anything is written.
@@ -187,6 +189,26 @@ def hyperparams_of(hyperparams_type: type, config) -> Any:
             for name in hyperparams_type._fields
         }
     )
+
+
+def hyperparams_as_constants(state, run_hyperparams):
+    """One run's `state`, inside a traced program, with each field of its HyperParams that
+    every run shares (`run_hyperparams`, leaves [runs]) replaced by that value as a constant of
+    the program, so that XLA folds it into the arithmetic it feeds (a learning rate, a period
+    that divides an env step counter). A field a sweep varies keeps the run's array."""
+    kind = type(run_hyperparams)
+    shared = {
+        name: values[0]
+        for name, values in run_hyperparams._asdict().items()
+        if (values == values[0]).all()
+    }
+
+    def fold(node):
+        if not isinstance(node, kind):
+            return node
+        return node._replace(**{name: jnp.asarray(value) for name, value in shared.items()})
+
+    return jax.tree.map(fold, state, is_leaf=lambda node: isinstance(node, kind))
 
 
 class ConfigView:
