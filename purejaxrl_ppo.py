@@ -187,7 +187,8 @@ PRESETS = {
 
 class HyperParams(NamedTuple):
     """Hyperparameters that change no array shape. They travel in the training state as
-    arrays rather than being baked into the program as constants."""
+    arrays, so that --sweep can vary them inside one program; the driver makes those that no
+    sweep varies constants of the program (utils/trainer.py)."""
 
     learning_rate: jax.Array
     gamma: jax.Array
