@@ -557,6 +557,15 @@ class Transition(NamedTuple):
     episode_stats: dict  # {name: [E]} the env family's extra statistics of that episode
 
 
+class TruncationSlot(NamedTuple):
+    """Where a rollout is no longer than the time limit, an environment's episode is cut off at
+    most once in it: the observation it was cut off in, kept until the rollout's end (zeros
+    where none was)."""
+
+    obs: jax.Array  # [E, obs_size] as the agent saw it, flattened (see `stored`)
+    memory: jax.Array  # [E, H] the memory after that step (or ())
+
+
 class RunnerState(NamedTuple):
     params: dict  # the actor-critic's parameters, the same on every device
     opt_state: optax.OptState
@@ -661,23 +670,6 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
             return network.apply(params, obs, method=ActorCritic.value)
         return policy_step(params, memory, obs, jnp.zeros(obs.shape[0], bool))[2]
 
-    # Most steps truncate no episode. On the CPU a branch skips their value pass; on an
-    # accelerator the branch inside the rollout costs more than the pass (docs/benchmarks.md).
-    skip_untruncated = runtime.backend == "cpu"
-
-    def truncation_values(params, memory, final_obs, truncated):
-        """The bootstrap values [E] of one step's time-limit truncations: the value of the
-        observation an episode was cut off in (final_obs [E, ...], as the agent sees it), and
-        0.0 where it was not. On the CPU, computed only on steps that truncate (a real branch;
-        under vmap over seeds or sweeps `cond` becomes a select and computes it)."""
-
-        def values():
-            return jnp.where(truncated, continuation_value(params, memory, final_obs), 0.0)
-
-        if not skip_untruncated:
-            return values()
-        return jax.lax.cond(truncated.any(), values, lambda: jnp.zeros(truncated.shape))
-
     # A rollout keeps its observations flattened, [T, E, obs_size], as PureJaxRL's flattening
     # wrapper gives them: a TPU lays out an array's last two dimensions in tiles of 8 x 128, so
     # a MinAtar observation [10, 10, 4] stored as it is would take 51 times its size.
@@ -688,6 +680,35 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
     def unstored(obs):
         """Stored observations [..., obs_size] in their env shape, [..., *obs_shape]."""
         return obs.reshape(*obs.shape[:-1], *spec.obs_shape)
+
+    # A time limit cuts an episode off at its max_episode_steps-th step, so an environment
+    # truncates at most once in any max_episode_steps steps. Where a rollout is no longer than
+    # that, it keeps each environment's truncation (`TruncationSlot`) and values them all in
+    # one pass after the rollout; otherwise every step values its own.
+    value_after_rollout = spec.max_episode_steps >= config.num_steps
+
+    def truncation_values(params, memory, final_obs, truncated):
+        """The bootstrap values [E] of one step's time-limit truncations: the value of the
+        observation an episode was cut off in (final_obs [E, ...], as the agent sees it), and
+        0.0 where it was not."""
+        return jnp.where(truncated, continuation_value(params, memory, final_obs), 0.0)
+
+    def kept_truncations(slot: TruncationSlot, memory, final_obs, truncated) -> TruncationSlot:
+        """The slot with one step's truncations (truncated [E]) in place of what it held for
+        those environments."""
+
+        def keep(new, old):
+            return jnp.where(truncated.reshape(-1, *(1,) * (new.ndim - 1)), new, old)
+
+        return TruncationSlot(
+            keep(stored(final_obs), slot.obs), jax.tree.map(keep, memory, slot.memory)
+        )
+
+    def slot_values(params, slot: TruncationSlot, truncated):
+        """A rollout's bootstrap values of its truncations [T, E] (truncated [T, E]), as
+        `truncation_values` gives them step by step, in one pass over the slot's observations."""
+        values = continuation_value(params, slot.memory, unstored(slot.obs))
+        return jnp.where(truncated > 0, values, 0.0)
 
     def seen(normalizer: Normalizer, obs):
         """Observations [E, ...] as the agent sees them under the current statistics."""
@@ -774,7 +795,8 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
         optimizer = make_optimizer(hp)
 
         # 1. Rollout: num_steps steps of every environment with the current policy.
-        def _env_step(runner_state: RunnerState, _):
+        def _env_step(carry: tuple[RunnerState, TruncationSlot | None], _):
+            runner_state, slot = carry
             key, action_key, step_key = jax.random.split(runner_state.key, 3)
             memory, pi, value = policy_step(
                 runner_state.params, runner_state.memory, runner_state.obs, runner_state.starts
@@ -789,12 +811,12 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
                 env_params,
             )
             normalizer, obs = observe(runner_state.normalizer, obs)
-            final_value = truncation_values(
-                runner_state.params,
-                memory,
-                seen(normalizer, info["final_observation"]),
-                truncated,
-            )
+            final_obs = seen(normalizer, info["final_observation"])
+            if value_after_rollout:
+                slot = kept_truncations(slot, memory, final_obs, truncated)
+                final_value = jnp.zeros(envs_per_device)  # valued after the rollout
+            else:
+                final_value = truncation_values(runner_state.params, memory, final_obs, truncated)
             normalizer, reward = scale_reward(normalizer, reward, runner_state.starts, hp.gamma)
             transition = Transition(
                 stored(runner_state.obs),
@@ -819,13 +841,22 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
                 normalizer=normalizer,
                 key=key,
             )
-            return runner_state, transition
+            return (runner_state, slot), transition
 
         rollout_memory = runner_state.memory  # [E, H] each sequence's memory before its start
-        runner_state, traj = jax.lax.scan(_env_step, runner_state, None, config.num_steps)
+        slot = TruncationSlot(jnp.zeros_like(stored(runner_state.obs)), rollout_memory)
+        (runner_state, slot), traj = jax.lax.scan(
+            _env_step,
+            (runner_state, slot if value_after_rollout else None),
+            None,
+            config.num_steps,
+        )
 
         # 2. Targets: the rollout's last step bootstraps from the value of the observation after
-        # it; the time-limit truncations were valued during the rollout (`truncation_values`).
+        # it, a time-limit truncation from the value of the observation it was cut off in.
+        if value_after_rollout:
+            final_value = slot_values(runner_state.params, slot, traj.truncated)
+            traj = traj._replace(final_value=final_value)
         _, _, last_value = policy_step(
             runner_state.params, runner_state.memory, runner_state.obs, runner_state.starts
         )

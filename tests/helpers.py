@@ -249,12 +249,14 @@ def gae_reference(rewards, values, last_value, final_values, terminated, truncat
     return advantages, advantages + values
 
 
-def train_one_update(ppo, monkeypatch, config, runtime=None, **env_params):
+def train_one_update(ppo, monkeypatch, config, runtime=None, updates_before=0, **env_params):
     """One update step of the real trainer of the PPO module `ppo`, with these gymnax env params
-    replaced, watched from outside: its state before and after, the rollout it collected and the advantages and targets
-    it learned from (as `rollout_targets` returned them), every action its environments
-    received and, in order, every batch its running statistics took in (`batch_stats`, with
-    --normalize-obs or --normalize-reward). Leaves without the device axis."""
+    replaced, watched from outside: its state before and after, the rollout it collected and
+    the advantages and targets it learned from (as `rollout_targets` returned them), every
+    action its environments received and, in order, every batch its running statistics took
+    in (`batch_stats`, with --normalize-obs or --normalize-reward). Leaves without the device
+    axis. With `updates_before`, the watched update is the last of the config's that many + 1
+    updates: its rollout starts in the middle of episodes."""
     seen = {"env_actions": [], "stats_batches": []}
     make_env, targets_of = ppo.make_env, ppo.rollout_targets
     stats_of = ppo.batch_stats
@@ -274,7 +276,9 @@ def train_one_update(ppo, monkeypatch, config, runtime=None, **env_params):
 
     def make_watched_env(name):
         env, params, spec = make_env(name)
-        return ActionRecorder(env), params.replace(**env_params), spec
+        params = params.replace(**env_params)
+        spec = spec._replace(max_episode_steps=int(params.max_steps_in_episode))
+        return ActionRecorder(env), params, spec
 
     def watched_targets(traj, last_value, gamma, gae_lambda):
         advantages, targets = targets_of(traj, last_value, gamma, gae_lambda)
@@ -296,17 +300,46 @@ def train_one_update(ppo, monkeypatch, config, runtime=None, **env_params):
     monkeypatch.setattr(ppo, "rollout_targets", watched_targets)
     monkeypatch.setattr(ppo, "batch_stats", watched_stats)
     trainer = ppo.make_train(config, runtime)
-    assert trainer.num_updates == 1
-    # pmapped over one device, as the driver runs a single run: a `lax.cond` stays a branch
+    assert trainer.num_updates == updates_before + 1
+    # pmapped over one device, as the driver runs a single run
     on_device = functools.partial(jax.pmap, axis_name=DEVICE_AXIS, devices=jax.devices()[:1])
     start = on_device(trainer.init, in_axes=(0, None))(
         jax.random.PRNGKey(0)[None], trainer.hyperparams
     )
+    if updates_before:
+        start, _ = on_device(lambda state: trainer.train_chunk(state, updates_before))(start)
+        jax.effects_barrier()
+        seen["env_actions"].clear()
+        seen["stats_batches"].clear()
     end, _ = on_device(lambda state: trainer.train_chunk(state, 1))(start)
     jax.effects_barrier()
     assert "rollout" in seen, "the update step no longer calls rollout_targets"
     without_device_axis = functools.partial(jax.tree.map, lambda x: np.asarray(x[0]))
     return {**seen, "start": without_device_axis(start), "end": without_device_axis(end)}
+
+
+# Rollouts that cut CartPole off by a short time limit: (num_steps, time limit, updates before
+# the watched one). A rollout longer than the time limit values each step's truncations at the
+# step; one no longer than it, after the rollout.
+TRUNCATING_ROLLOUTS = {"longer": (64, 20, 0), "as_long": (16, 16, 2)}
+
+
+def train_truncating_update(ppo, monkeypatch, rollout: str, **config_fields):
+    """(config, `train_one_update`'s record) of one of TRUNCATING_ROLLOUTS: 8 CartPole
+    environments, 2 minibatches, 1 epoch, and `config_fields`."""
+    num_steps, time_limit, updates_before = TRUNCATING_ROLLOUTS[rollout]
+    config = ppo.Config(
+        num_envs=8,
+        num_steps=num_steps,
+        num_minibatches=2,
+        update_epochs=1,
+        total_timesteps=8 * num_steps * (updates_before + 1),
+        **config_fields,
+    )
+    seen = train_one_update(
+        ppo, monkeypatch, config, updates_before=updates_before, max_steps_in_episode=time_limit
+    )
+    return config, seen
 
 
 def cartpole_stepped(obs, action):

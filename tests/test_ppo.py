@@ -24,7 +24,13 @@ from purejaxrl_ppo import (
     rollout_targets,
 )
 from tests.golden_runs import GOLDEN_DIR, read_columns
-from tests.helpers import cartpole_stepped, gae_reference, train_one_update
+from tests.helpers import (
+    TRUNCATING_ROLLOUTS,
+    cartpole_stepped,
+    gae_reference,
+    train_one_update,
+    train_truncating_update,
+)
 from utils.devices import DEVICE_AXIS
 from utils.envs import env_spec
 from utils.trainer import Runtime, TrainerContractError
@@ -258,20 +264,16 @@ def test_updates_equal_purejaxrl_reference_updates_from_the_same_state():
         )
 
 
-@pytest.mark.parametrize("backend", ["cpu", "gpu"])
-def test_update_step_bootstraps_truncations_from_the_final_observation(monkeypatch, backend):
-    """CartPole cut off after 20 steps: the advantages and targets the update step learns from
-    are textbook GAE of the rollout it collected, where a truncated step bootstraps from the
-    value of its final observation (before the automatic reset), the rollout's last step from
-    the value of the observation after it, and a terminated step from nothing. Built for the
-    CPU (the value pass skipped on steps without a truncation) and for an accelerator (the
-    pass on every step), both run here."""
-    config = purejaxrl_ppo.Config(
-        num_envs=4, num_steps=64, num_minibatches=2, update_epochs=1, total_timesteps=256
-    )
-    seen = train_one_update(
-        purejaxrl_ppo, monkeypatch, config, Runtime(backend=backend), max_steps_in_episode=20
-    )
+@pytest.mark.parametrize("rollout", TRUNCATING_ROLLOUTS)
+def test_update_step_bootstraps_truncations_from_the_final_observation(monkeypatch, rollout):
+    """CartPole cut off by a short time limit: the advantages and targets the update step
+    learns from are textbook GAE of the rollout it collected, where a truncated step
+    bootstraps from the value of its final observation (before the automatic reset), the
+    rollout's last step from the value of the observation after it, and a terminated step
+    from nothing. Both ways of valuing the truncations: during a rollout longer than the time
+    limit, after one that is not (its rollout starts in the middle of episodes, so that they
+    are cut off before its last step)."""
+    config, seen = train_truncating_update(purejaxrl_ppo, monkeypatch, rollout)
     traj, params = seen["rollout"], seen["start"].params
     terminated, truncated = traj.terminated > 0, traj.truncated > 0
     # Every case occurs: terminations and truncations before the last step, and environments

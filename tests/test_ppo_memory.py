@@ -13,7 +13,13 @@ import pytest
 
 import purejaxrl_ppo
 from purejaxrl_ppo import ResettingGRU, batch_stats, merge_stats
-from tests.helpers import cartpole_stepped, gae_reference, train_one_update
+from tests.helpers import (
+    TRUNCATING_ROLLOUTS,
+    cartpole_stepped,
+    gae_reference,
+    train_one_update,
+    train_truncating_update,
+)
 from utils.devices import DEVICE_AXIS
 from utils.envs import env_spec
 from utils.errors import ConfigError
@@ -59,39 +65,37 @@ def test_gru_memory_starts_again_exactly_where_an_episode_starts():
     np.testing.assert_allclose(outputs(carry, xs, first), outputs(carry * 0, xs, first), atol=1e-6)
 
 
-def test_update_step_resets_memory_where_episodes_start_and_bootstraps_with_it(monkeypatch):
-    """CartPole cut off after 20 steps, with --memory gru. A step-by-step loop replays the
-    rollout with the network: an episode starts at the first step and at the step after every
-    termination or truncation (with gymnax's auto-reset, the observation after a done step is
-    already the next episode's: PureJaxRL issue 23 reset one step late). The rollout's values
-    and log probabilities, the memory it ends with and the targets it learns from all follow,
-    a truncated step bootstrapping from its final observation seen with that step's memory."""
-    config = purejaxrl_ppo.Config(
-        num_envs=4,
-        num_steps=64,
-        num_minibatches=2,
-        update_epochs=1,
-        total_timesteps=256,
-        memory="gru",
-        hidden_size=16,
+@pytest.mark.parametrize("rollout", TRUNCATING_ROLLOUTS)
+def test_update_step_resets_memory_where_episodes_start_and_bootstraps_with_it(
+    monkeypatch, rollout
+):
+    """CartPole cut off by a short time limit, with --memory gru. A step-by-step loop replays
+    the rollout with the network: an episode starts at the step after every termination or
+    truncation (with gymnax's auto-reset, the observation after a done step is already the
+    next episode's: PureJaxRL issue 23 reset one step late), and at the first step where the
+    state before the rollout says so. The rollout's values and log probabilities, the memory
+    it ends with and the targets it learns from all follow, a truncated step bootstrapping from
+    its final observation seen with that step's memory; both ways of valuing the truncations
+    (during a rollout longer than the time limit, after one that is not)."""
+    config, seen = train_truncating_update(
+        purejaxrl_ppo, monkeypatch, rollout, memory="gru", hidden_size=16
     )
-    seen = train_one_update(purejaxrl_ppo, monkeypatch, config, max_steps_in_episode=20)
     traj, params, end = seen["rollout"], seen["start"].params, seen["end"]
     terminated, truncated = traj.terminated > 0, traj.truncated > 0
     done = terminated | truncated
     assert terminated[:-1].any() and (truncated & ~terminated)[:-1].any()
-    starts = np.concatenate([np.ones((1, 4), bool), done[:-1]])
+    starts = np.concatenate([seen["start"].starts[None], done[:-1]])
     np.testing.assert_array_equal(traj.start, starts)
 
     network = network_of(config)
-    no_start = np.zeros((1, 4), bool)
+    no_start = np.zeros((1, config.num_envs), bool)
 
     @jax.jit
     def step(memory, obs):  # the network on one step that continues its episode
         return network.apply(params, memory, obs[None], no_start)
 
     final_obs = cartpole_stepped(traj.obs, traj.action)  # before any reset
-    memory = np.full((4, 16), np.nan, np.float32)  # never read: the first step starts episodes
+    memory = seen["start"].memory
     values, log_probs, final_values = [], [], []
     for t in range(config.num_steps):
         memory = np.where(starts[t][:, None], 0.0, memory)

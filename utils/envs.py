@@ -235,6 +235,8 @@ class EnvSpec(NamedTuple):
     num_actions: int  # discrete: number of actions; continuous: action dimension
     action_low: Any  # continuous only: bounds to clip sampled actions to
     action_high: Any
+    # The time limit: `truncated` is set at an episode's max_episode_steps-th step and only
+    # there (PPO's rollout relies on it)
     max_episode_steps: int
     # Names of the extra per-episode statistics in info["episode_stats"] (Craftax's achievement
     # rate, ...), averaged over ended episodes by `episode_metrics`
