@@ -531,6 +531,39 @@ def test_scan_updates_runs_only_the_active_updates_against_a_loop():
         assert len(traces) == 1  # tracing is much of a big program's compile time
 
 
+def test_scan_updates_gives_each_output_back_as_a_plain_scan_does():
+    """Scalars leave the scan stacked by dtype: every output, scalar or not, of every dtype and
+    at any depth of the structure, comes back with its own values, shape and dtype, in both
+    the scan and the masked loop (where the updates that did not run stay NaN or zero)."""
+
+    def update(step, _):
+        x = step.astype(jnp.float32)
+        out = {
+            "a": x,
+            "b": (step * 2, jnp.bfloat16(x / 3)),
+            "c": {"vector": jnp.stack([x, -x, x * x]), "flag": step % 2 == 0},
+            "d": x + 0.5,
+            "e": -step,
+        }
+        return step + 1, out
+
+    expected_step, expected = jax.lax.scan(update, jnp.int32(0), None, 4)
+    for num_active in (None, jnp.int32(4)):
+        length = 4 if num_active is None else 6
+        step, got = jax.jit(lambda s, n, length=length: scan_updates(update, s, length, n))(
+            jnp.int32(0), num_active
+        )
+        assert step == expected_step
+        assert jax.tree.structure(got) == jax.tree.structure(expected)
+        for want, leaf in zip(jax.tree.leaves(expected), jax.tree.leaves(got), strict=True):
+            assert leaf.dtype == want.dtype and leaf.shape[1:] == want.shape[1:]
+            np.testing.assert_array_equal(leaf[:4], want)
+            if num_active is not None and jnp.issubdtype(leaf.dtype, jnp.inexact):
+                assert np.isnan(np.asarray(leaf[4:], np.float32)).all()
+            elif num_active is not None:
+                assert not np.asarray(leaf[4:]).any()
+
+
 def test_a_shorter_last_chunk_runs_the_same_program_to_the_same_numbers(tmp_path):
     """8 updates in chunks of 3, 3 and 2 train exactly as in chunks of 4, with one program; a
     trainer that evaluates in its chunks reports the last one at the run's last update."""

@@ -140,9 +140,11 @@ def scan_updates(update_step: Callable, state, num_updates: int, num_active=None
     With `num_active` (a traced int32 in [1, num_updates]) only the first num_active updates
     run, in a loop of the same body, and the outputs of the others are NaN (zero where not
     floating-point). The update is traced once: `jax.jit` caches its trace between the shape
-    query and the loop."""
+    query and the loop. Scalar outputs leave the loop stacked by dtype (`_scalars_stacked`)."""
+    update_step, unpack = _scalars_stacked(update_step)
     if num_active is None:
-        return jax.lax.scan(update_step, state, None, num_updates)
+        state, outs = jax.lax.scan(update_step, state, None, num_updates)
+        return state, unpack(outs)
     update_step = jax.jit(update_step)
     out_shapes = jax.eval_shape(update_step, state, None)[1]
 
@@ -156,7 +158,39 @@ def scan_updates(update_step: Callable, state, num_updates: int, num_active=None
         return state, jax.tree.map(lambda o, x: o.at[i].set(x), outs, out)
 
     outs = jax.tree.map(empty, out_shapes)
-    return jax.lax.fori_loop(0, num_active, _one_update, (state, outs))
+    state, outs = jax.lax.fori_loop(0, num_active, _one_update, (state, outs))
+    return state, unpack(outs)
+
+
+def _scalars_stacked(update_step: Callable) -> tuple[Callable, Callable]:
+    """`update_step` with its scalar outputs of each dtype stacked into one vector, so that a
+    scan writes one array per dtype and update instead of one per metric (on a TPU each write
+    is a kernel of its own); and the function that turns the scan's stacked outputs back into
+    `update_step`'s structure. The structure is read when the scan traces the step."""
+    layout = {}
+
+    def packed_step(state, x):
+        state, out = update_step(state, x)
+        leaves, layout["treedef"] = jax.tree.flatten(out)
+        scalars, others, layout["places"] = {}, [], []
+        for leaf in map(jnp.asarray, leaves):
+            if leaf.ndim == 0:
+                group = scalars.setdefault(jnp.dtype(leaf.dtype).name, [])
+                layout["places"].append((jnp.dtype(leaf.dtype).name, len(group)))
+                group.append(leaf)
+            else:
+                layout["places"].append((None, len(others)))
+                others.append(leaf)
+        return state, ({name: jnp.stack(group) for name, group in scalars.items()}, others)
+
+    def unpack(packed):
+        scalars, others = packed
+        leaves = [
+            others[i] if name is None else scalars[name][:, i] for name, i in layout["places"]
+        ]
+        return jax.tree.unflatten(layout["treedef"], leaves)
+
+    return packed_step, unpack
 
 
 def at_last_update(evaluation: dict, num_updates: int, last) -> dict:
