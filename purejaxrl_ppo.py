@@ -844,12 +844,11 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
             return (runner_state, slot), transition
 
         rollout_memory = runner_state.memory  # [E, H] each sequence's memory before its start
-        slot = TruncationSlot(jnp.zeros_like(stored(runner_state.obs)), rollout_memory)
+        slot = None  # without `value_after_rollout` each step values its own truncations
+        if value_after_rollout:
+            slot = TruncationSlot(jnp.zeros_like(stored(runner_state.obs)), rollout_memory)
         (runner_state, slot), traj = jax.lax.scan(
-            _env_step,
-            (runner_state, slot if value_after_rollout else None),
-            None,
-            config.num_steps,
+            _env_step, (runner_state, slot), None, config.num_steps
         )
 
         # 2. Targets: the rollout's last step bootstraps from the value of the observation after
