@@ -249,7 +249,7 @@ def gae_reference(rewards, values, last_value, final_values, terminated, truncat
     return advantages, advantages + values
 
 
-def train_one_update(ppo, monkeypatch, config, runtime=None, updates_before=0, **env_params):
+def train_one_update(ppo, monkeypatch, config, updates_before=0, **env_params):
     """One update step of the real trainer of the PPO module `ppo`, with these gymnax env params
     replaced, watched from outside: its state before and after, the rollout it collected and
     the advantages and targets it learned from (as `rollout_targets` returned them), every
@@ -299,7 +299,7 @@ def train_one_update(ppo, monkeypatch, config, runtime=None, updates_before=0, *
     monkeypatch.setattr(ppo, "make_env", make_watched_env)
     monkeypatch.setattr(ppo, "rollout_targets", watched_targets)
     monkeypatch.setattr(ppo, "batch_stats", watched_stats)
-    trainer = ppo.make_train(config, runtime)
+    trainer = ppo.make_train(config)
     assert trainer.num_updates == updates_before + 1
     # pmapped over one device, as the driver runs a single run
     on_device = functools.partial(jax.pmap, axis_name=DEVICE_AXIS, devices=jax.devices()[:1])

@@ -175,8 +175,8 @@ def _scalars_stacked(update_step: Callable) -> tuple[Callable, Callable]:
         scalars, others, layout["places"] = {}, [], []
         for leaf in map(jnp.asarray, leaves):
             if leaf.ndim == 0:
-                group = scalars.setdefault(jnp.dtype(leaf.dtype).name, [])
-                layout["places"].append((jnp.dtype(leaf.dtype).name, len(group)))
+                group = scalars.setdefault(leaf.dtype.name, [])
+                layout["places"].append((leaf.dtype.name, len(group)))
                 group.append(leaf)
             else:
                 layout["places"].append((None, len(others)))
