@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import assert_identical_runs, checkpoint_leaves, metric_table, run_script
-from utils import checkpoint, driver, logs
+from utils import checkpoint, driver, logs, plotting
 from utils.cli import RunConfig, parse_config
 from utils.devices import device_mean
 from utils.driver import auto_updates_per_chunk, run_training
@@ -734,6 +734,54 @@ def test_sweep_ranking_orders_configurations_by_mean_final_value_nan_last():
     assert ranking[0]["final_mean"] == 2.5 and ranking[0]["final_std"] == 0.0
     assert ranking[1]["final_std"] == 1.0 and ranking[1]["hyperparams"] == {"rate": 0.1}
     assert np.isnan(ranking[2]["final_mean"])
+
+
+def test_metrics_csv_reads_back_as_written(tmp_path):
+    """Every value of a chunk's rows, NaN included, and a file with no rows yet."""
+    path = str(tmp_path / "metrics.csv")
+    sink = logs.MetricsCsv(path, {"seed": [0, 1]}, ["loss", "episodes"])
+    assert logs.read_metrics_csv(path) == {}
+    rng = np.random.default_rng(0)
+    metrics = {"loss": rng.normal(size=(2, 3)).astype(np.float32), "episodes": np.ones((2, 3))}
+    metrics["loss"][1, 2] = np.nan
+    sink.append(4, 10, metrics)
+    columns = logs.read_metrics_csv(path)
+    np.testing.assert_array_equal(columns["update"], [4, 4, 5, 5, 6, 6])
+    np.testing.assert_array_equal(columns["env_steps"], [40, 40, 50, 50, 60, 60])
+    np.testing.assert_array_equal(columns["seed"], [0, 1] * 3)
+    np.testing.assert_array_equal(columns["loss"], metrics["loss"].T.ravel())
+    np.testing.assert_array_equal(columns["episodes"], np.ones(6))
+
+
+def test_learning_curve_band_is_the_mean_min_and_max_of_each_step_against_a_loop():
+    rng = np.random.default_rng(0)
+    env_steps = rng.permutation(np.repeat(np.arange(1, 41) * 10.0, 5))  # 5 rows per step
+    values = rng.normal(size=env_steps.size)
+    values[rng.random(values.size) < 0.4] = np.nan
+    values[env_steps == 30] = np.nan  # a step where nothing was reported: no point
+
+    class Axes:
+        def plot(self, x, y, label):
+            self.line = (np.asarray(x), np.asarray(y))
+            return (self,)
+
+        def get_color(self):
+            return "C0"
+
+        def fill_between(self, x, low, high, **_):
+            self.band = (np.asarray(low), np.asarray(high))
+
+    axes = Axes()
+    plotting._plot_band(axes, env_steps, values, "mean")
+    expected = {}
+    for step, value in zip(env_steps, values, strict=True):
+        if np.isfinite(value):
+            expected.setdefault(step, []).append(value)
+    steps = sorted(expected)
+    np.testing.assert_array_equal(axes.line[0], steps)
+    np.testing.assert_allclose(axes.line[1], [np.mean(expected[s]) for s in steps], rtol=1e-12)
+    np.testing.assert_array_equal(axes.band[0], [min(expected[s]) for s in steps])
+    np.testing.assert_array_equal(axes.band[1], [max(expected[s]) for s in steps])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1041,7 +1041,7 @@ def report(
     png_path = os.path.join(plan.run_dir, "learning_curve.png")
     with naming_the_file(png_path):
         plot_learning_curve(
-            plan.csv_path,
+            columns,
             png_path,
             f"{trainer.algo} {trainer.env_id}",
             trainer.headline_metric,

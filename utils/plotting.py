@@ -8,11 +8,9 @@ matplotlib.use("Agg")  # files only: never needs a display
 import matplotlib.pyplot as plt
 import numpy as np
 
-from utils.logs import read_metrics_csv
-
 
 def plot_learning_curve(
-    csv_path: str,
+    columns: dict[str, np.ndarray],
     png_path: str,
     title: str,
     metric: str = "episode_return",
@@ -20,8 +18,8 @@ def plot_learning_curve(
     config_labels: list[str] | None = None,
 ) -> None:
     """Mean of `metric` across seeds vs env steps, with the min-max band across seeds: one
-    line and band per sweep configuration when `config_labels` names them."""
-    columns = read_metrics_csv(csv_path)
+    line and band per sweep configuration when `config_labels` names them. `columns` are
+    metrics.csv's (`utils.logs.read_metrics_csv`)."""
     fig, ax = plt.subplots(figsize=(6, 4))
     if columns:
         config_of_row = columns.get("config", np.zeros_like(columns["update"]))
@@ -45,18 +43,17 @@ def plot_learning_curve(
 
 def _plot_band(ax, env_steps: np.ndarray, values: np.ndarray, label: str) -> None:
     """Mean over the rows at each step, and their min-max band; steps without a finite value
-    are skipped."""
-    steps = np.unique(env_steps)
-    by_step = [values[env_steps == s] for s in steps]
-    has_value = np.array([np.isfinite(v).any() for v in by_step])
-    steps = steps[has_value]
-    by_step = [v[np.isfinite(v)] for v, ok in zip(by_step, has_value, strict=True) if ok]
-    if by_step:
-        (line,) = ax.plot(steps, [v.mean() for v in by_step], label=label)
-        ax.fill_between(
-            steps,
-            [v.min() for v in by_step],
-            [v.max() for v in by_step],
-            alpha=0.25,
-            color=line.get_color(),
-        )
+    are skipped. One pass over the rows: a run of many seeds has millions."""
+    steps, step_of_row = np.unique(env_steps, return_inverse=True)
+    finite = np.isfinite(values)
+    step_of_value, values = step_of_row[finite], values[finite]
+    count = np.bincount(step_of_value, minlength=len(steps))
+    total = np.bincount(step_of_value, weights=values, minlength=len(steps))
+    low, high = np.full(len(steps), np.inf), np.full(len(steps), -np.inf)
+    np.minimum.at(low, step_of_value, values)
+    np.maximum.at(high, step_of_value, values)
+    has_value = count > 0
+    if has_value.any():
+        steps = steps[has_value]
+        (line,) = ax.plot(steps, total[has_value] / count[has_value], label=label)
+        ax.fill_between(steps, low[has_value], high[has_value], alpha=0.25, color=line.get_color())
