@@ -45,6 +45,7 @@ SMALL_AZ = [
     "--baseline-sims", "4",
     "--cpu-devices", "0",
     "--keep-checkpoints", "0",
+    "--checkpoint-every", "1",
 ]  # fmt: skip
 
 

@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import threading
+import time
 import warnings
 from pathlib import Path
 from typing import NamedTuple
@@ -22,7 +23,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import assert_identical_runs, checkpoint_leaves, metric_table, run_script
-from utils import checkpoint, driver, logs, plotting
+from utils import checkpoint, driver, interrupts, logs, plotting
 from utils.cli import RunConfig, parse_config
 from utils.devices import device_mean
 from utils.driver import auto_updates_per_chunk, run_training
@@ -54,6 +55,7 @@ class StubConfig(RunConfig):
     nan_at: int = 0  # x turns NaN at this update, as a diverging run's parameters (0: never)
     loss_from: int = 1  # the loss is NaN before this update, as DQN's before learning starts
     ballast: int = 0  # floats of dead weight in the state, for a checkpoint of that size
+    checkpoint_every: int = 1  # the tests name checkpoints; the automatic schedule's own test: 0
 
 
 class StubHyperParams(NamedTuple):
@@ -320,6 +322,74 @@ def test_stop_when_ends_training_after_a_chunk_and_resume_trains_on(tmp_path):
     np.testing.assert_array_equal(
         metric_table(uninterrupted["run_dir"], 0), metric_table(stopped["run_dir"], 0)
     )
+
+
+def recorded_saves(monkeypatch, seconds: float = 0.0) -> list[int]:
+    """The updates whose checkpoints the driver saves; each save takes `seconds` longer, as a
+    large state's does."""
+    real, saved = checkpoint.save, []
+
+    def save(directory, update, *args, **kwargs):
+        saved.append(update)
+        time.sleep(seconds)
+        return real(directory, update, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "save", save)
+    return saved
+
+
+def test_checkpoint_every_n_chunks_and_where_the_run_ends(tmp_path, monkeypatch):
+    saved = recorded_saves(monkeypatch)
+    train(tmp_path, num_updates=10, updates_per_chunk=2, checkpoint_every=2, keep_checkpoints=0)
+    assert saved == [4, 8, 10]
+
+
+def test_automatic_checkpoints_keep_their_writing_to_a_share_of_the_training(tmp_path, monkeypatch):
+    """Each save takes 0.25 s and each chunk is made to report 2 s of training: a save is due
+    once the training since the last one is at least 0.25 / 5% = 5 s, so every third chunk,
+    after the first and before the last, which are always saved."""
+    saved = recorded_saves(monkeypatch, seconds=0.25)
+    real_call = driver._ChunkRunner.__call__
+
+    def two_seconds_of_training(self, state, num_updates):
+        out = real_call(self, state, num_updates)
+        self.clock.train_seconds += 2.0
+        return out
+
+    monkeypatch.setattr(driver._ChunkRunner, "__call__", two_seconds_of_training)
+    summary = train(tmp_path, num_updates=16, updates_per_chunk=2, checkpoint_every=0)
+    assert driver.CHECKPOINT_SHARE == 0.05
+    assert saved == [2, 8, 14, 16]
+    assert [end["update"] for end in summary["chunk_ends"]] == list(range(2, 17, 2))
+
+
+def test_a_stop_saves_the_state_it_stops_at_between_automatic_checkpoints(tmp_path, monkeypatch):
+    """A stop asked for during the third chunk, whose checkpoint is not due (saves are slow):
+    the driver saves it, exits 130, and the run resumes from it to the uninterrupted numbers."""
+    uninterrupted = train(tmp_path / "whole", updates_per_chunk=2)["run_dir"]
+    saved = recorded_saves(monkeypatch, seconds=0.25)
+    real_call, asked = driver._ChunkRunner.__call__, []
+
+    def stop_asked_during_the_third_chunk(self, state, num_updates):
+        out = real_call(self, state, num_updates)
+        asked.append(len(asked) == 2 or bool(asked and asked[-1]))
+        return out
+
+    def check():
+        if interrupts.stop_requested():
+            raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(driver._ChunkRunner, "__call__", stop_asked_during_the_third_chunk)
+        patch.setattr(interrupts, "stop_requested", lambda: bool(asked and asked[-1]))
+        patch.setattr(interrupts, "check", check)
+        with pytest.raises(SystemExit) as exit_info:
+            train(tmp_path, updates_per_chunk=2, checkpoint_every=0)
+    assert exit_info.value.code == 130
+    assert saved == [2, 6]
+    run_dir = only_run_dir(tmp_path / "runs")
+    assert train(tmp_path, resume=str(run_dir))["resumed_from_update"] == 6
+    np.testing.assert_array_equal(metric_table(uninterrupted, 0), metric_table(run_dir, 0))
 
 
 def test_the_first_chunk_compiles_beside_the_initial_state(tmp_path, monkeypatch):
@@ -812,11 +882,16 @@ def only_run_dir(runs_dir: Path) -> Path:
         (6, "parameters", "the parameters are not finite after update 6"),
     ],
 )
+@pytest.mark.parametrize("checkpoint_every", [1, 0])
 def test_a_diverged_run_stops_after_its_chunk_and_keeps_the_last_finite_checkpoint(
-    tmp_path, capsys, nan_at, metric, described
+    tmp_path, monkeypatch, capsys, nan_at, metric, described, checkpoint_every
 ):
+    """With a checkpoint after every chunk, and with slow automatic ones that skip update 4's
+    checkpoint until the divergence after it asks for it."""
+    saved = recorded_saves(monkeypatch, seconds=0.25 * (not checkpoint_every))
     with pytest.raises(SystemExit) as exit_info:
-        train(tmp_path, updates_per_chunk=2, nan_at=nan_at)
+        train(tmp_path, updates_per_chunk=2, nan_at=nan_at, checkpoint_every=checkpoint_every)
+    assert saved == [2, 4]
     assert exit_info.value.code == driver.DIVERGED_EXIT_CODE == 3
     run_dir = only_run_dir(tmp_path / "runs")
     assert capsys.readouterr().err.strip().splitlines() == [

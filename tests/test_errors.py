@@ -54,6 +54,9 @@ def test_too_many_devices(tiny_ppo_args):
 def test_sizes_out_of_range(tiny_ppo_args):
     expect_config_error([*tiny_ppo_args, "--num-seeds", "0"], "--num-seeds must be >= 1")
     expect_config_error([*tiny_ppo_args, "--update-epochs", "0"], "--update-epochs must be >= 1")
+    expect_config_error(
+        [*tiny_ppo_args, "--checkpoint-every", "-1"], "--checkpoint-every must be >= 0"
+    )
     # beyond a 32-bit integer, JAX's tracing of the network would overflow
     expect_config_error(
         [*tiny_ppo_args, "--hidden-size", str(2**31)], "--hidden-size must be <= 2147483647"

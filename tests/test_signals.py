@@ -27,8 +27,12 @@ from utils.cli import parse_config
 from utils.driver import run_training
 
 # Short chunks, each followed by a checkpoint: PPO 12 updates in 12 chunks, DQN 32 in 8.
-PPO_ARGS = ["--env", "CartPole", *TINY_PPO, "--total-timesteps", "768", "--updates-per-chunk", "1"]
-DQN_ARGS = [*TINY_DQN, "--updates-per-chunk", "4"]
+EVERY_CHUNK = ["--checkpoint-every", "1"]
+PPO_ARGS = [
+    "--env", "CartPole", *TINY_PPO, "--total-timesteps", "768", "--updates-per-chunk", "1",
+    *EVERY_CHUNK,
+]  # fmt: skip
+DQN_ARGS = [*TINY_DQN, "--updates-per-chunk", "4", *EVERY_CHUNK]
 TRAINERS = {"ppo": (purejaxrl_ppo, PPO_ARGS), "dqn": (purejaxrl_dqn, DQN_ARGS)}
 # A compile that cannot be a cache hit, so that a signal sent as the run starts finds it going.
 UNCACHED = {"JAX_ENABLE_COMPILATION_CACHE": "false"}

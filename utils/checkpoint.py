@@ -8,8 +8,8 @@ complete, so a crash mid-write leaves the previous checkpoint intact; older chec
 deleted only after the new one is in place (all but the newest `keep`: the driver's
 --keep-checkpoints, by default the newest alone). Ctrl-C or SIGTERM during a write lets the
 write finish (utils/interrupts.py). A save takes about a millisecond plus the state's bytes
-over the disk's speed, so the driver can save after every chunk. Checkpoints written by
-earlier versions with orbax still read back.
+over the disk's speed; the driver saves after the chunks its schedule picks (`_Checkpoints`
+in utils/driver.py). Checkpoints written by earlier versions with orbax still read back.
 """
 
 from __future__ import annotations

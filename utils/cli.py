@@ -68,6 +68,10 @@ class RunConfig:
     """folder that holds one directory per run"""
     resume: str | None = None
     """continue the run in this run directory from its latest checkpoint"""
+    checkpoint_every: int = 0
+    """chunks between checkpoints; 0: automatic, after every chunk unless writing them would
+    take more than about 5% of the training time (a large replay buffer over many seeds).
+    Where a run stops (its end, Ctrl-C, SIGTERM, divergence) its state is saved all the same"""
     keep_checkpoints: int = 1
     """checkpoints kept in RUN_DIR/checkpoints, the newest ones (0: all): older ones let
     AlphaZero's --arena RUN_DIR@update=N compare a run with its own past"""
@@ -104,6 +108,7 @@ RESUMABLE_OVERRIDES = frozenset(
         "wandb_project_name",
         "wandb_entity",
         "keep_checkpoints",
+        "checkpoint_every",
     }
     | {"eval_episodes", "runs_dir", "capture_video", "eval_games", "record_games"}
     | {"allow_nonfinite", "reevaluate"}

@@ -168,6 +168,8 @@ def check_run_config(config) -> None:
         )
     if config.updates_per_chunk < 0:
         raise ConfigError(f"--updates-per-chunk must be >= 0, got {config.updates_per_chunk}")
+    if config.checkpoint_every < 0:
+        raise ConfigError(f"--checkpoint-every must be >= 0, got {config.checkpoint_every}")
     if config.keep_checkpoints < 0:
         raise ConfigError(f"--keep-checkpoints must be >= 0, got {config.keep_checkpoints}")
 
@@ -718,6 +720,53 @@ def _divergence(
     return Divergence(metric, value, int(update), int(run), last_update)
 
 
+# Automatic checkpoints (--checkpoint-every 0) keep their writing to about this share of the
+# training time: a large state, such as replay buffers over many seeds, is saved every few chunks.
+CHECKPOINT_SHARE = 0.05
+
+
+class _Checkpoints:
+    """Which chunk ends process 0 saves, and the saving. With --checkpoint-every N, every N-th
+    chunk; with 0, a chunk once the training since the latest save has taken at least that
+    save's seconds over CHECKPOINT_SHARE (so the first chunk always). The driver also saves
+    where a run stops: its last chunk, a stop signal, `stop_when`, divergence (the last finite
+    state). Which chunks are saved changes nothing that a run computes."""
+
+    def __init__(self, plan: RunPlan, clock: _Clock, saved_update: int):
+        self.plan, self.clock = plan, clock
+        self.saved_update = saved_update  # the latest checkpoint's (or where training starts)
+        self.chunks = 0  # chunks trained since that checkpoint
+        self.train_seconds = 0.0  # their training time
+        self.write_seconds = 0.0  # how long that save took (0: none saved by this process)
+
+    def after_chunk(self, state, update: int, train_seconds: float, now: bool) -> None:
+        """After a chunk of `train_seconds` that ended at `update`: save if due, or `now`."""
+        self.chunks += 1
+        self.train_seconds += train_seconds
+        every = self.plan.config.checkpoint_every
+        if every:
+            due = self.chunks >= every
+        else:
+            due = self.write_seconds <= CHECKPOINT_SHARE * self.train_seconds
+        if due or now:
+            self.save(state, update)
+
+    def save(self, state, update: int) -> None:
+        """Save `state` as the checkpoint of `update`, unless the latest one holds it."""
+        if not self.plan.is_main or update == self.saved_update:
+            return
+        start = time.perf_counter()
+        checkpoint.save(
+            self.plan.checkpoint_dir,
+            update,
+            state,
+            self.clock.totals(update),
+            keep=self.plan.config.keep_checkpoints,
+        )
+        self.write_seconds = time.perf_counter() - start
+        self.saved_update, self.chunks, self.train_seconds = update, 0, 0.0
+
+
 def train_in_chunks(
     plan: RunPlan,
     run_chunk: _ChunkRunner,
@@ -729,8 +778,9 @@ def train_in_chunks(
     stop_when: Callable | None = None,
 ):
     """Train to the last update, one compiled chunk at a time. After each chunk, and only there,
-    process 0 appends to metrics.csv and wandb, writes records and saves a checkpoint; a stop
-    signal takes effect there too (utils/interrupts.py). A chunk in which a run diverged
+    process 0 appends to metrics.csv and wandb, writes records and saves a checkpoint when one
+    is due (`_Checkpoints`); a stop signal takes effect there too (utils/interrupts.py), after
+    a checkpoint of the state it stops at. A chunk in which a run diverged
     (`_divergence`; off with --allow-nonfinite) is logged but not kept: training stops at the
     last finite state. `after_first_chunk(state)`, if given, is called once the first chunk
     has trained (to start the background compilations that wait for it); `stop_when` as in
@@ -739,23 +789,29 @@ def train_in_chunks(
     guarded = not plan.config.allow_nonfinite
     divergence = None
     metrics_csv = None
+    checkpoints = _Checkpoints(plan, clock, start_update)
     progress = _Progress(
         plan.config.progress and is_main, trainer.num_updates, start_update, trainer.env_id, trainer
     )
     update = start_update
     try:
         while update < trainer.num_updates:
+            if interrupts.stop_requested():  # asked for after the last chunk's checkpoint
+                checkpoints.save(state, update)
             interrupts.check()
             num_updates = min(plan.chunk_len, trainer.num_updates - update)
+            trained_before = clock.train_seconds
             new_state, metrics, finite_state = run_chunk(state, num_updates)
             if after_first_chunk is not None:
                 after_first_chunk(new_state)
                 after_first_chunk = None
             # the first run's records
             records = {k: metrics.pop(k)[0] for k in list(metrics) if k.startswith("record_")}
-            first_update = update + 1
+            first_update, end = update + 1, update + num_updates
             divergence = _divergence(plan, finite_state, metrics, first_update) if guarded else None
-            with interrupts.held():  # logs and checkpoint of a chunk land together
+            preempted = plan.multi_process and _preempted(end)
+            stopped = stop_when is not None and stop_when(end, metrics)
+            with interrupts.held():  # a chunk's logs, and its checkpoint if any, land together
                 if is_main:
                     if metrics_csv is None:
                         metrics_csv = MetricsCsv(
@@ -768,17 +824,17 @@ def train_in_chunks(
                     if wandb_sink is not None:
                         wandb_sink.log(first_update, trainer.steps_per_update, metrics)
                 if divergence is not None:
-                    break  # its rows show the NaN; its state is neither kept nor saved
-                state = new_state
-                update += num_updates
-                if is_main:
-                    checkpoint.save(
-                        plan.checkpoint_dir,
-                        update,
-                        state,
-                        clock.totals(update),
-                        keep=plan.config.keep_checkpoints,
-                    )
+                    # its rows show the NaN; its state is not kept, the state before it is saved
+                    checkpoints.save(state, update)
+                    break
+                state, update = new_state, end
+                last = update == trainer.num_updates or preempted or stopped
+                checkpoints.after_chunk(
+                    state,
+                    update,
+                    clock.train_seconds - trained_before,
+                    now=last or interrupts.stop_requested(),
+                )
             if is_main and records and trainer.write_records is not None:
                 with naming_the_file(os.path.join(plan.run_dir, "games")):
                     written = trainer.write_records(plan.run_dir, update, records)
@@ -789,9 +845,9 @@ def train_in_chunks(
             last_values = metrics[trainer.headline_metric][:, -1]
             mean_value = np.nanmean(last_values) if np.isfinite(last_values).any() else np.nan
             progress.update(update, mean_value, done_steps / max(clock.train_seconds, 1e-9))
-            if plan.multi_process and _preempted(update):
+            if preempted:
                 raise KeyboardInterrupt  # as a stop signal would: every process stops here
-            if stop_when is not None and stop_when(update, metrics):
+            if stopped:
                 break
     finally:
         progress.close()

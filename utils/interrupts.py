@@ -172,6 +172,11 @@ def exit_says(line: Callable[[], str]) -> None:
     _state.exit_line = line
 
 
+def stop_requested() -> bool:
+    """Whether a stop signal asked for a stop that `check` has yet to raise."""
+    return _state.requested is not None
+
+
 def check() -> None:
     """A safe point: raise KeyboardInterrupt if a stop signal asked for a stop."""
     if _state.requested is not None:
