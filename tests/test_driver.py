@@ -794,6 +794,30 @@ def test_final_values_average_the_last_tenth_of_updates_that_reported():
             assert finals[run] == pytest.approx(mine[2])
 
 
+def test_last_reported_is_each_runs_last_finite_value_against_a_loop():
+    rng = np.random.default_rng(1)
+    rows = [(u, c, s) for u in range(1, 31) for c in range(2) for s in range(3)]
+    columns = {
+        "update": np.array([r[0] for r in rows], float),
+        "config": np.array([r[1] for r in rows], float),
+        "seed": np.array([r[2] for r in rows], float),
+        "a": rng.normal(size=len(rows)),
+        "b": rng.normal(size=len(rows)),
+    }
+    columns["a"][rng.random(len(rows)) < 0.7] = np.nan
+    columns["b"][[i for i, (_, c, s) in enumerate(rows) if (c, s) == (1, 2)]] = np.nan  # never
+    last = driver._last_reported(columns, ["a", "b"], num_seeds=3, num_runs=6)
+    for run in range(6):
+        c, s = divmod(run, 3)
+        for name in ("a", "b"):
+            mine = [v for v, r in zip(columns[name], rows, strict=True) if r[1:] == (c, s)]
+            finite = [v for v in mine if np.isfinite(v)]
+            if finite:
+                assert last[run][name] == finite[-1]
+            else:
+                assert np.isnan(last[run][name]) and (run, name) == (5, "b")
+
+
 def test_sweep_ranking_orders_configurations_by_mean_final_value_nan_last():
     overrides = [{"rate": 0.1}, {"rate": 0.2}, {"rate": 0.3}]
     finals = [1.0, 3.0, np.nan, np.nan, 2.5, 2.5]  # 2 seeds each

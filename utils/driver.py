@@ -340,15 +340,16 @@ def _final_values(
 def _last_reported(
     columns: dict, metric_names: list[str], num_seeds: int, num_runs: int
 ) -> list[dict[str, float]]:
-    """Per run: the last finite value of every metric (NaN if it never reported one)."""
-    row_run = _run_of_rows(columns, num_seeds)
-    last = []
-    for run in range(num_runs):
-        finite = {
-            name: columns[name][(row_run == run) & np.isfinite(columns[name])]
-            for name in metric_names
-        }
-        last.append({name: float(v[-1]) if v.size else float("nan") for name, v in finite.items()})
+    """Per run: the last finite value of every metric (NaN if it never reported one). The
+    rows are in the order they were trained; one pass per metric over all runs' rows."""
+    row_run = _run_of_rows(columns, num_seeds).astype(np.int64)
+    last = [{} for _ in range(num_runs)]
+    for name in metric_names:
+        (rows,) = np.nonzero(np.isfinite(columns[name]))
+        last_row = np.full(num_runs, -1)
+        np.maximum.at(last_row, row_run[rows], rows)
+        for run, row in enumerate(last_row):
+            last[run][name] = float(columns[name][row]) if row >= 0 else float("nan")
     return last
 
 
