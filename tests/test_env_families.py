@@ -94,7 +94,8 @@ def test_tiny_ppo_run_and_its_resume(family, tmp_path, monkeypatch):
     or a Brax State, goes through the checkpoint). In this process, so that the runs after the
     first reuse its compiled programs."""
     whole, runs = tmp_path / "whole", tmp_path / "runs"
-    args = ["--env", FAMILY_ENVS[family], *TINY_PPO, "--no-progress"]
+    # a checkpoint after every chunk: the stop below comes after update 4's
+    args = ["--env", FAMILY_ENVS[family], *TINY_PPO, "--no-progress", "--checkpoint-every", "1"]
     if family != "gridworld":
         # No evaluation: its own compile of the env's step, and for Craftax episodes that a
         # random policy keeps alive for thousands of steps; the gridworld run evaluates.

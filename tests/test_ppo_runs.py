@@ -194,8 +194,8 @@ def test_memory_and_normalisation_resume_exactly_and_batch_seeds_and_sweeps(
 
     with monkeypatch.context() as patch:
         patch.setattr(driver._Progress, "update", interrupt_after_update_4)
-        with pytest.raises(SystemExit):
-            train_ppo(tiny_ppo_args, "--seed", "2", "--gamma", "0.9")
+        with pytest.raises(SystemExit):  # a checkpoint after every chunk: update 4's is there
+            train_ppo(tiny_ppo_args, "--seed", "2", "--gamma", "0.9", "--checkpoint-every", "1")
     (interrupted,) = {str(d) for d in Path(tiny_ppo_args[-1]).iterdir()} - {alone["run_dir"]}
     resumed = run_training(
         parse_config(Config, PRESETS, ["--resume", interrupted, "--no-progress"]),
