@@ -147,9 +147,10 @@ def family_module(family: str):
 def _gymnax():
     """gymnax, imported on first use: importing it loads every one of its environments and,
     through their renderers, matplotlib and seaborn: a start-up cost that an AlphaZero run never
-    needs (measured in docs/benchmarks.md). seaborn, which only two renderers call, loads when
-    one of them first uses it (`_import_lazily`)."""
+    needs (measured in docs/benchmarks.md). matplotlib's pyplot and seaborn, which only the
+    renderers call, load when one of them first uses them (`_import_lazily`)."""
     _import_lazily("seaborn")
+    _import_lazily("matplotlib.pyplot")
     import gymnax
 
     return gymnax
