@@ -503,6 +503,51 @@ def test_track_logs_to_wandb_offline_without_network(tmp_path, monkeypatch):
     assert list((run_dir / "wandb").glob("offline-run-*")), os.listdir(run_dir)
 
 
+@pytest.mark.parametrize("num_updates", [7, 2500])  # a point per update; per 3 updates
+def test_wandb_points_are_means_of_consecutive_updates_against_a_loop(num_updates, monkeypatch):
+    """A chunk of 7 updates of 2 runs, its metrics NaN where nothing was reported: every point
+    is the mean of the finite values of its updates (both runs, and each run's headline),
+    logged at the env steps of its last update."""
+    rng = np.random.default_rng(0)
+    metrics = {"episode_return": rng.normal(size=(2, 7)), "loss": rng.normal(size=(2, 7))}
+    metrics["episode_return"][rng.random((2, 7)) < 0.4] = np.nan
+    metrics["episode_return"][:, 5] = np.nan  # an update where no episode ended
+    metrics["loss"][0, 3] = np.inf
+
+    logged = []
+
+    class Run:
+        def log(self, row, step):
+            logged.append((step, row))
+
+    import wandb
+
+    monkeypatch.setattr(wandb, "init", lambda **_: Run())
+    sink = logs.WandbSink(RunConfig(), "", "run", "episode_return", ["s0", "s1"], num_updates)
+    sink.log(11, 10, metrics)  # updates 11-17, 10 env steps each
+    expected = []
+    for start in range(0, 7, sink.stride):
+        updates = range(start, min(start + sink.stride, 7))
+        row = {}
+        for name in ("episode_return", "loss"):
+            finite = [metrics[name][r, k] for r in (0, 1) for k in updates]
+            finite = [v for v in finite if np.isfinite(v)]
+            if finite:
+                row[f"{name}/mean"] = np.mean(finite)
+        for run, label in enumerate(("s0", "s1")):
+            finite = [metrics["episode_return"][run, k] for k in updates]
+            finite = [v for v in finite if np.isfinite(v)]
+            if finite:
+                row[f"episode_return/{label}"] = np.mean(finite)
+        expected.append(((11 + updates[-1]) * 10, row))
+    assert sink.stride == (1 if num_updates == 7 else 3)
+    assert [step for step, _ in logged] == [step for step, _ in expected]
+    for (_, row), (_, want) in zip(logged, expected, strict=True):
+        assert row.keys() == want.keys()
+        for key in row:
+            assert row[key] == pytest.approx(want[key], rel=1e-12)
+
+
 @pytest.mark.parametrize(
     ("num_updates", "expected"),
     # 10**12 updates (DQN with --total-timesteps 1e13): planning must not walk 10**11 lengths

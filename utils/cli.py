@@ -52,7 +52,8 @@ class RunConfig:
     """this process's index in a multi-process run, 0 to num_processes - 1 (implies
     --distributed; default $JAX_PROCESS_ID or the cluster's)"""
     track: bool = False
-    """log to Weights & Biases (never contacted unless this is set)"""
+    """log to Weights & Biases (never contacted unless this is set): at most 1,000 points a
+    curve, each the mean of consecutive updates; metrics.csv keeps every update"""
     wandb_project_name: str = "purejaxrl"
     """wandb project"""
     wandb_entity: str | None = None

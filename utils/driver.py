@@ -1272,4 +1272,12 @@ def _wandb_sink(plan: RunPlan) -> WandbSink | None:
         f"{config_label(plan.overrides[k])} seed_{i}".strip()
         for k, i in zip(plan.run_config, plan.run_seed, strict=True)
     ]
-    return WandbSink(plan.config, plan.run_dir, run_name, plan.trainer.headline_metric, run_labels)
+    trainer = plan.trainer
+    return WandbSink(
+        plan.config,
+        plan.run_dir,
+        run_name,
+        trainer.headline_metric,
+        run_labels,
+        trainer.num_updates,
+    )

@@ -104,15 +104,30 @@ def read_metrics_csv(path: str) -> dict[str, np.ndarray]:
     return {name: rows[:, i] for i, name in enumerate(header)}
 
 
+# wandb's charts draw about 1,000 points of a curve, and each `wandb.log` call costs about a
+# quarter of a millisecond: a run sends at most this many points, each the mean of consecutive
+# updates (metrics.csv keeps every update).
+WANDB_POINTS = 1000
+
+
 class WandbSink:
     """One curve per run for the headline metric (the episode return unless the trainer says
-    otherwise), named by `run_labels`, plus the mean over runs of every metric."""
+    otherwise), named by `run_labels`, plus the mean over runs of every metric. A point is the
+    mean of `stride` consecutive updates of a chunk (1 for runs of at most WANDB_POINTS
+    updates), logged at the env steps of the last of them."""
 
     def __init__(
-        self, config, run_dir: str, run_name: str, headline_metric: str, run_labels: list[str]
+        self,
+        config,
+        run_dir: str,
+        run_name: str,
+        headline_metric: str,
+        run_labels: list[str],
+        num_updates: int,
     ):
         self.headline_metric = headline_metric
         self.run_labels = run_labels
+        self.stride = max(1, math.ceil(num_updates / WANDB_POINTS))
         import wandb  # imported only when tracking, so wandb is never needed otherwise
 
         self.run = wandb.init(
@@ -126,19 +141,19 @@ class WandbSink:
         )
 
     def log(self, first_update: int, steps_per_update: int, metrics: dict[str, np.ndarray]):
+        """`metrics[name]` has shape [num_runs, num_updates], as MetricsCsv.append takes it."""
         num_updates = next(iter(metrics.values())).shape[1]
-        for k in range(num_updates):
-            row = {}
-            for name, values in metrics.items():
-                column = values[:, k]
-                finite = column[np.isfinite(column)]
-                if finite.size:
-                    row[f"{name}/mean"] = float(finite.mean())
-            for run, label in enumerate(self.run_labels):
-                value = float(metrics[self.headline_metric][run, k])
-                if not math.isnan(value):
-                    row[f"{self.headline_metric}/{label}"] = value
-            self.run.log(row, step=(first_update + k) * steps_per_update)
+        for start in range(0, num_updates, self.stride):
+            window = slice(start, start + self.stride)
+            row = {
+                f"{name}/mean": _finite_mean(values[:, window]) for name, values in metrics.items()
+            }
+            headline = metrics[self.headline_metric][:, window]
+            for label, values in zip(self.run_labels, headline, strict=True):
+                row[f"{self.headline_metric}/{label}"] = _finite_mean(values)
+            last_update = first_update + min(start + self.stride, num_updates) - 1
+            row = {k: v for k, v in row.items() if v is not None}
+            self.run.log(row, step=last_update * steps_per_update)
 
     def log_video(self, path: str):
         import wandb
@@ -158,6 +173,12 @@ class WandbSink:
     def finish(self, summary: dict):
         self.run.summary.update({k: v for k, v in summary.items() if not isinstance(v, list)})
         self.run.finish()
+
+
+def _finite_mean(values: np.ndarray) -> float | None:
+    """The mean of the finite entries, None where there are none (nothing reported)."""
+    finite = values[np.isfinite(values)]
+    return float(finite.mean()) if finite.size else None
 
 
 def _strict_json(value):
