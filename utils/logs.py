@@ -104,9 +104,9 @@ def read_metrics_csv(path: str) -> dict[str, np.ndarray]:
     return {name: rows[:, i] for i, name in enumerate(header)}
 
 
-# wandb's charts draw about 1,000 points of a curve, and each `wandb.log` call costs about a
-# quarter of a millisecond: a run sends at most this many points, each the mean of consecutive
-# updates (metrics.csv keeps every update).
+# wandb's charts draw about 1,000 points of a curve, and a `wandb.log` call per update can
+# take longer than the update (docs/benchmarks.md): a run sends at most this many points, each
+# the mean of consecutive updates (metrics.csv keeps every update).
 WANDB_POINTS = 1000
 
 

@@ -1,5 +1,5 @@
-"""Learning-curve plot from metrics.csv. matplotlib is imported when a run first plots: a
-quarter of a second that a run's start would otherwise wait for."""
+"""Learning-curve plot from metrics.csv. matplotlib is imported when a run first plots, not
+before the run starts (docs/benchmarks.md, "What a run does between chunks")."""
 
 from __future__ import annotations
 
