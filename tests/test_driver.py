@@ -345,18 +345,19 @@ def test_checkpoint_every_n_chunks_and_where_the_run_ends(tmp_path, monkeypatch)
 
 
 def test_automatic_checkpoints_keep_their_writing_to_a_share_of_the_training(tmp_path, monkeypatch):
-    """Each save takes 0.25 s and each chunk is made to report 2 s of training: a save is due
-    once the training since the last one is at least 0.25 / 5% = 5 s, so every third chunk,
-    after the first and before the last, which are always saved."""
-    saved = recorded_saves(monkeypatch, seconds=0.25)
+    """Each save takes 0.6 s longer and each chunk is made to report 5 s more of training: a
+    save is due once the training since the last one is at least 0.6 / 5% = 12 s, so every
+    third chunk, after the first and before the last, which are always saved. (Margins: a
+    real save may take up to 0.15 s, two real chunks up to 1 s.)"""
+    saved = recorded_saves(monkeypatch, seconds=0.6)
     real_call = driver._ChunkRunner.__call__
 
-    def two_seconds_of_training(self, state, num_updates):
+    def five_seconds_more_training(self, state, num_updates):
         out = real_call(self, state, num_updates)
-        self.clock.train_seconds += 2.0
+        self.clock.train_seconds += 5.0
         return out
 
-    monkeypatch.setattr(driver._ChunkRunner, "__call__", two_seconds_of_training)
+    monkeypatch.setattr(driver._ChunkRunner, "__call__", five_seconds_more_training)
     summary = train(tmp_path, num_updates=16, updates_per_chunk=2, checkpoint_every=0)
     assert driver.CHECKPOINT_SHARE == 0.05
     assert saved == [2, 8, 14, 16]
