@@ -241,3 +241,49 @@ def test_dqn_stopped_during_a_checkpoint_write_resumes_to_the_uninterrupted_run(
     resumed = run_script("purejaxrl_dqn.py", "--resume", run_dir, "--no-progress")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_same_run(run_dir, uninterrupted("dqn", tmp_path / "uninterrupted"))
+
+
+# The PPO command line under the automatic checkpoint schedule, its saves made 0.3 s slower, as a
+# large state's are: after the first chunk's checkpoint no other is due in 12 short chunks. A
+# SIGINT to itself as its third chunk ends.
+CTRL_C_BETWEEN_AUTOMATIC_CHECKPOINTS = """
+import os, signal, sys, time
+import purejaxrl_ppo
+from utils import checkpoint, driver
+
+real_write, real_call, chunks = checkpoint._write, driver._ChunkRunner.__call__, []
+
+def write(path, arrays):
+    time.sleep(0.3)
+    real_write(path, arrays)
+
+def call(self, state, num_updates):
+    out = real_call(self, state, num_updates)
+    chunks.append(num_updates)
+    if len(chunks) == 3:
+        os.kill(os.getpid(), signal.SIGINT)
+    return out
+
+checkpoint._write, driver._ChunkRunner.__call__ = write, call
+sys.argv = sys.argv[1:]  # the script and its flags
+purejaxrl_ppo.main()
+"""
+
+
+def test_ctrl_c_between_automatic_checkpoints_saves_the_chunk_it_stops_after(tmp_path):
+    """A real signal, read by the listening thread: the driver saves the state it stops at
+    although the schedule had skipped its checkpoint, and the run resumes from it."""
+    flags = command("ppo", "--runs-dir", str(tmp_path), "--keep-checkpoints", "0")
+    at = flags.index("--checkpoint-every")
+    del flags[at : at + 2]  # the automatic schedule
+    result = run_script("-c", CTRL_C_BETWEEN_AUTOMATIC_CHECKPOINTS, *flags)
+    assert result.returncode == 130, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert lines[0] == notice(signal.SIGINT) and len(lines) == 2, lines
+    assert "interrupted after update 3; continue with --resume " in lines[1], lines
+    run_dir = resume_dir(lines[1])
+    checkpoints = sorted(os.listdir(os.path.join(run_dir, "checkpoints")))
+    assert checkpoints == ["update_00000001", "update_00000003"]  # update 2's was not due
+    resumed = run_script("purejaxrl_ppo.py", "--resume", run_dir, "--no-progress")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_run(run_dir, uninterrupted("ppo", tmp_path / "uninterrupted"))
