@@ -22,7 +22,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.helpers import assert_identical_runs, checkpoint_leaves, metric_table, run_script
+from tests.helpers import (
+    assert_identical_runs,
+    checkpoint_leaves,
+    interrupt_after_update_4,
+    metric_table,
+    run_script,
+)
 from utils import checkpoint, driver, interrupts, logs, plotting
 from utils.cli import RunConfig, parse_config
 from utils.devices import device_mean
@@ -267,10 +273,6 @@ def interrupted_after_update_4(tmp_path, monkeypatch) -> tuple[str, str]:
     """An uninterrupted run and the same run stopped by Ctrl-C after update 4 (exit 130):
     their run directories."""
     uninterrupted = train(tmp_path, updates_per_chunk=2)["run_dir"]
-
-    def interrupt_after_update_4(self, done, *_):
-        if done == 4:
-            raise KeyboardInterrupt
 
     with monkeypatch.context() as patch:
         patch.setattr(driver._Progress, "update", interrupt_after_update_4)

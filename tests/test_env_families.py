@@ -14,7 +14,13 @@ import pytest
 
 import purejaxrl_dqn
 import purejaxrl_ppo
-from tests.helpers import REPO, TINY_DQN, TINY_PPO, assert_identical_runs
+from tests.helpers import (
+    REPO,
+    TINY_DQN,
+    TINY_PPO,
+    assert_identical_runs,
+    interrupt_after_update_4,
+)
 from utils import driver
 from utils.cli import parse_config
 from utils.driver import run_training
@@ -100,10 +106,6 @@ def test_tiny_ppo_run_and_its_resume(family, tmp_path, monkeypatch):
         # No evaluation: its own compile of the env's step, and for Craftax episodes that a
         # random policy keeps alive for thousands of steps; the gridworld run evaluates.
         args += ["--eval-episodes", "0"]
-
-    def interrupt_after_update_4(self, done, *_):
-        if done == 4:
-            raise KeyboardInterrupt
 
     def train(args):
         config = parse_config(purejaxrl_ppo.Config, purejaxrl_ppo.PRESETS, args)

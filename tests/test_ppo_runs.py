@@ -18,6 +18,7 @@ from tests.helpers import (
     assert_identical_runs,
     assert_seed_matches_single_run,
     checkpoint_state,
+    interrupt_after_update_4,
     run_script,
 )
 from utils import driver
@@ -187,10 +188,6 @@ def test_memory_and_normalisation_resume_exactly_and_batch_seeds_and_sweeps(
     the discounted returns are in the checkpoint. Run 3 of 2 seeds x 2 gammas, trained side by
     side with a video of the greedy policy, equals the single run with its seed and gamma."""
     alone = train_ppo(tiny_ppo_args, "--seed", "2", "--gamma", "0.9")
-
-    def interrupt_after_update_4(self, done, *_):
-        if done == 4:
-            raise KeyboardInterrupt
 
     with monkeypatch.context() as patch:
         patch.setattr(driver._Progress, "update", interrupt_after_update_4)
