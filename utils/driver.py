@@ -440,7 +440,7 @@ class _Clock:
     previous: dict = dataclasses.field(
         default_factory=lambda: {"train_seconds": 0.0, "compile_seconds": 0.0, "wall_seconds": 0.0}
     )
-    # `totals` at the end of every chunk this process trained, after its logs and checkpoint:
+    # `totals` at the end of every chunk this process trained, after its logs and any checkpoint:
     # when a metric first reached a value (benchmarks/time_to_skill.py)
     chunk_ends: list = dataclasses.field(default_factory=list)
 
@@ -1195,10 +1195,11 @@ def run_training(
     with an evaluation size (`config.reevaluate`), evaluates the final state again.
 
     `stop_when(update, metrics)`, for a program that drives runs (a benchmark, a search), is
-    called after each chunk once its logs and checkpoint are written, with the update reached
-    and the chunk's metrics {name: [runs, updates of the chunk]}; True ends the training there
-    and the run reports as at its last update (summary.json's "stopped_at_update"). A later
-    --resume trains on from that checkpoint. Single-process runs only."""
+    called after each chunk, before its logs and checkpoint are written, with the update
+    reached and the chunk's metrics {name: [runs, updates of the chunk]}; True ends the
+    training there, once that chunk's logs and checkpoint are written, and the run reports as
+    at its last update (summary.json's "stopped_at_update"). A later --resume trains on from
+    that checkpoint. Single-process runs only."""
     clock = _Clock(wall_start=time.perf_counter())
     if stop_when is not None and jax.process_count() > 1:
         raise ValueError("stop_when needs a single-process run: every process would have to stop")
