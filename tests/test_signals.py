@@ -23,6 +23,7 @@ from tests.helpers import (
     run_script,
     start_script,
 )
+from utils import interrupts
 from utils.cli import parse_config
 from utils.driver import run_training
 
@@ -241,6 +242,24 @@ def test_dqn_stopped_during_a_checkpoint_write_resumes_to_the_uninterrupted_run(
     resumed = run_script("purejaxrl_dqn.py", "--resume", run_dir, "--no-progress")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_same_run(run_dir, uninterrupted("dqn", tmp_path / "uninterrupted"))
+
+
+def test_the_stop_notice_is_out_before_the_stop_is_asked_for(monkeypatch):
+    """The listening thread says the notice, then asks for the stop: a main thread that stops
+    on that request prints its exit line after the notice, never before it."""
+    said = []
+    monkeypatch.setattr(
+        interrupts, "_say", lambda line: said.append((line, interrupts.stop_requested()))
+    )
+    monkeypatch.setattr(interrupts._state, "at_safe_points", True)
+    monkeypatch.setattr(interrupts._state, "requested", None)
+    read_fd, write_fd = os.pipe()
+    os.write(write_fd, bytes([signal.SIGINT]))
+    os.close(write_fd)
+    interrupts._listen(read_fd)  # returns at the pipe's end
+    os.close(read_fd)
+    assert said == [(notice(signal.SIGINT), False)]
+    assert interrupts.stop_requested()
 
 
 # The PPO command line under the automatic checkpoint schedule, its saves made 0.3 s slower, as a

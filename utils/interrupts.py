@@ -86,12 +86,14 @@ def _listen(read_fd: int) -> None:
         if _state.handing_over is not None:  # blocked in the main thread: pending across exec
             signal.pthread_kill(_state.handing_over, stop_signal)
         elif _state.at_safe_points and _state.requested is None:
-            _state.requested = signal.Signals(stop_signal)
             name = _name(stop_signal)
             _say(
                 f"{name}: stopping after the chunk, compile or evaluation in progress; "
                 f"{name} again stops at once"
             )
+            # asked for once it is said: the main thread's exit line, which a request lets it
+            # print, comes after the notice
+            _state.requested = signal.Signals(stop_signal)
         else:
             _exit_at_once()
 
