@@ -264,11 +264,12 @@ def test_the_stop_notice_is_out_before_the_stop_is_asked_for(monkeypatch):
 
 # The PPO command line under the automatic checkpoint schedule, its saves made 0.3 s slower, as a
 # large state's are: after the first chunk's checkpoint no other is due in 12 short chunks. A
-# SIGINT to itself as its third chunk ends.
+# SIGINT to itself as its third chunk ends, which that chunk waits for the listening thread to
+# take (else, on a busy host, the stop could land a chunk or two later).
 CTRL_C_BETWEEN_AUTOMATIC_CHECKPOINTS = """
 import os, signal, sys, time
 import purejaxrl_ppo
-from utils import checkpoint, driver
+from utils import checkpoint, driver, interrupts
 
 real_write, real_call, chunks = checkpoint._write, driver._ChunkRunner.__call__, []
 
@@ -281,6 +282,8 @@ def call(self, state, num_updates):
     chunks.append(num_updates)
     if len(chunks) == 3:
         os.kill(os.getpid(), signal.SIGINT)
+        while not interrupts.stop_requested():  # the listening thread has taken it
+            time.sleep(0.01)
     return out
 
 checkpoint._write, driver._ChunkRunner.__call__ = write, call
