@@ -737,18 +737,18 @@ class _Checkpoints:
         self.plan, self.clock = plan, clock
         self.saved_update = saved_update  # the latest checkpoint's (or where training starts)
         self.chunks = 0  # chunks trained since that checkpoint
-        self.train_seconds = 0.0  # their training time
+        self.trained_at_save = clock.train_seconds  # the clock's training seconds then
         self.write_seconds = 0.0  # how long that save took (0: none saved by this process)
 
-    def after_chunk(self, state, update: int, train_seconds: float, now: bool) -> None:
-        """After a chunk of `train_seconds` that ended at `update`: save if due, or `now`."""
+    def after_chunk(self, state, update: int, now: bool) -> None:
+        """After a chunk that ended at `update`: save if due, or `now`."""
         self.chunks += 1
-        self.train_seconds += train_seconds
         every = self.plan.config.checkpoint_every
         if every:
             due = self.chunks >= every
         else:
-            due = self.write_seconds <= CHECKPOINT_SHARE * self.train_seconds
+            trained = self.clock.train_seconds - self.trained_at_save
+            due = self.write_seconds <= CHECKPOINT_SHARE * trained
         if due or now:
             self.save(state, update)
 
@@ -765,7 +765,8 @@ class _Checkpoints:
             keep=self.plan.config.keep_checkpoints,
         )
         self.write_seconds = time.perf_counter() - start
-        self.saved_update, self.chunks, self.train_seconds = update, 0, 0.0
+        self.saved_update, self.chunks = update, 0
+        self.trained_at_save = self.clock.train_seconds
 
 
 def train_in_chunks(
@@ -801,7 +802,6 @@ def train_in_chunks(
                 checkpoints.save(state, update)
             interrupts.check()
             num_updates = min(plan.chunk_len, trainer.num_updates - update)
-            trained_before = clock.train_seconds
             new_state, metrics, finite_state = run_chunk(state, num_updates)
             if after_first_chunk is not None:
                 after_first_chunk(new_state)
@@ -830,12 +830,7 @@ def train_in_chunks(
                     break
                 state, update = new_state, end
                 last = update == trainer.num_updates or preempted or stopped
-                checkpoints.after_chunk(
-                    state,
-                    update,
-                    clock.train_seconds - trained_before,
-                    now=last or interrupts.stop_requested(),
-                )
+                checkpoints.after_chunk(state, update, now=last or interrupts.stop_requested())
             if is_main and records and trainer.write_records is not None:
                 with naming_the_file(os.path.join(plan.run_dir, "games")):
                     written = trainer.write_records(plan.run_dir, update, records)
