@@ -515,9 +515,14 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
             return state.params, state.opt_state, jnp.float32(jnp.nan), jnp.float32(jnp.nan)
 
         key, learn_key = jax.random.split(state.key)
+        # A split into a single key runs its hash on a TPU's scalar unit, between the vector
+        # kernels, a few percent of a small update (docs/benchmarks.md). JAX's threefry keys do
+        # not depend on how many are split, so the first gradient_steps of two or more are the
+        # same keys (the golden runs hold them).
+        learn_keys = jax.random.split(learn_key, max(config.gradient_steps, 2))
         learning = (state.timesteps >= hp.learning_starts) & (state.buffer.size >= config.n_step)
         params, opt_state, loss, q_mean = jax.lax.cond(
-            learning, _learn, _wait, state, jax.random.split(learn_key, config.gradient_steps)
+            learning, _learn, _wait, state, learn_keys[: config.gradient_steps]
         )
 
         # 3. Target network: once per multiple of target_network_frequency env steps crossed.
