@@ -516,9 +516,9 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
 
         key, learn_key = jax.random.split(state.key)
         # A split into a single key runs its hash on a TPU's scalar unit, between the vector
-        # kernels, a few percent of a small update (docs/benchmarks.md). JAX's threefry keys do
-        # not depend on how many are split, so the first gradient_steps of two or more are the
-        # same keys (the golden runs hold them).
+        # kernels (docs/benchmarks.md, "DQN's learn keys on the TPU"). JAX's threefry keys do
+        # not depend on how many are split, so the first gradient_steps of a split into two or
+        # more are the same keys; the golden runs check that they are.
         learn_keys = jax.random.split(learn_key, max(config.gradient_steps, 2))
         learning = (state.timesteps >= hp.learning_starts) & (state.buffer.size >= config.n_step)
         params, opt_state, loss, q_mean = jax.lax.cond(
