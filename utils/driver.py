@@ -893,10 +893,16 @@ class _FinalEvaluation:
     def __init__(self, plan: RunPlan, clock: _Clock):
         self.plan, self.clock, self.compiled = plan, clock, None
         self.on_first_device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        self.keys = _evaluation_keys(plan)
 
     def _lowered(self, first_device_state):
-        return jax.jit(jax.vmap(self.plan.trainer.evaluate)).lower(first_device_state, self.keys)
+        """The program (first device's state, run keys [runs, 2]) -> episode returns [runs,
+        episodes]. Each run's evaluation key, its run key folded with 1, is derived inside it:
+        derived before, it was a program of its own to compile before training started."""
+
+        def evaluate(state, run_key):
+            return self.plan.trainer.evaluate(state, jax.random.fold_in(run_key, 1))
+
+        return jax.jit(jax.vmap(evaluate)).lower(first_device_state, self.plan.run_keys)
 
     def start_compiling(self, state) -> None:
         """Begin compiling from the shapes of `state`, leaves [local devices, runs, ...]; a
@@ -924,12 +930,7 @@ class _FinalEvaluation:
         else:
             evaluate = self.compiled.result()
         self.clock.compile_seconds += time.perf_counter() - start
-        return np.asarray(evaluate(first_device_state, self.keys))
-
-
-def _evaluation_keys(plan: RunPlan) -> np.ndarray:
-    """[runs, 2]: each run's key of the evaluation after training."""
-    return np.asarray(jax.vmap(lambda k: jax.random.fold_in(k, 1))(plan.run_keys))
+        return np.asarray(evaluate(first_device_state, self.plan.run_keys))
 
 
 def _evaluation_fields(evaluation: np.ndarray | None, num_runs: int) -> dict:
