@@ -896,8 +896,8 @@ class _FinalEvaluation:
 
     def _lowered(self, first_device_state):
         """The program (first device's state, run keys [runs, 2]) -> episode returns [runs,
-        episodes]. Each run's evaluation key, its run key folded with 1, is derived inside it:
-        derived before, it was a program of its own to compile before training started."""
+        episodes]. Each run's evaluation key, its run key folded with 1, is derived inside it,
+        so that no program of its own compiles beside the first chunk's."""
 
         def evaluate(state, run_key):
             return self.plan.trainer.evaluate(state, jax.random.fold_in(run_key, 1))
