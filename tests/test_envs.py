@@ -1,11 +1,14 @@
-"""The env wrapper's episode statistics and their reduction into per-update metrics."""
+"""The env wrapper's episode statistics and their reduction into per-update metrics; the
+lazy imports behind gymnax."""
+
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from utils.devices import DEVICE_AXIS
-from utils.envs import episode_metrics, make_env
+from utils.envs import _import_lazily, episode_metrics, make_env
 from utils.evaluation import evaluate_policy, memoryless
 
 
@@ -61,3 +64,18 @@ def test_evaluate_policy_returns_each_episodes_undiscounted_return():
         finished |= np.asarray(terminated | truncated)
     np.testing.assert_array_equal(returns, expected)
     assert len(set(expected.tolist())) > 1
+
+
+def test_import_lazily_defers_an_installed_module_and_skips_a_missing_one(monkeypatch):
+    """An installed module that is not imported yet gets a stand-in that imports it at its
+    first use; a module that is not installed, also under a missing parent package (as
+    matplotlib.pyplot without matplotlib), is left alone."""
+    monkeypatch.delitem(sys.modules, "colorsys", raising=False)
+    _import_lazily("colorsys")
+    stand_in = sys.modules["colorsys"]
+    assert "_module" not in stand_in.__dict__  # nothing imported yet
+    assert stand_in.rgb_to_hsv(1.0, 0.0, 0.0) == (0.0, 1.0, 1.0)
+    assert sys.modules["colorsys"] is not stand_in  # the module took the stand-in's place
+    for name in ("no_such_package", "no_such_package.pyplot"):
+        _import_lazily(name)
+        assert name not in sys.modules

@@ -163,7 +163,10 @@ def _import_lazily(name: str) -> None:
     3.11 the next `import name` statement already runs the module.)"""
     if name in sys.modules:
         return
-    spec = importlib.util.find_spec(name)
+    try:
+        spec = importlib.util.find_spec(name)
+    except ModuleNotFoundError:  # a dotted name whose parent package is not installed
+        return
     if spec is not None:
         sys.modules[name] = _ModuleOnFirstUse(name, spec)
 
