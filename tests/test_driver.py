@@ -326,6 +326,60 @@ def test_stop_when_ends_training_after_a_chunk_and_resume_trains_on(tmp_path):
     )
 
 
+def recorded_launches(monkeypatch) -> list[tuple]:
+    """The driver's chunk launches, collections and metrics.csv appends, in their order:
+    ("launch", the update it trains from), ("collect",), ("csv", its first update)."""
+    events = []
+    real_launch, real_collect = driver._ChunkRunner.launch, driver._ChunkRunner.collect
+    real_append = driver.MetricsCsv.append
+
+    def launch(self, state, num_updates):
+        events.append(("launch", int(np.asarray(state["updates"]).ravel()[0])))
+        return real_launch(self, state, num_updates)
+
+    def collect(self, launched):
+        events.append(("collect",))
+        return real_collect(self, launched)
+
+    def append(self, first_update, *args):
+        events.append(("csv", first_update))
+        return real_append(self, first_update, *args)
+
+    monkeypatch.setattr(driver._ChunkRunner, "launch", launch)
+    monkeypatch.setattr(driver._ChunkRunner, "collect", collect)
+    monkeypatch.setattr(driver.MetricsCsv, "append", append)
+    return events
+
+
+def test_the_next_chunk_trains_while_the_host_writes_the_last_one(tmp_path, monkeypatch):
+    """Each chunk but the last launches the next before its metrics.csv rows (and its
+    checkpoint) are written; one after which training stops (`stop_when`, divergence)
+    launches none."""
+    events = recorded_launches(monkeypatch)
+    train(tmp_path / "whole", num_updates=6, updates_per_chunk=2)
+    assert events == [
+        ("launch", 0), ("collect",),
+        ("launch", 2), ("csv", 1), ("collect",),
+        ("launch", 4), ("csv", 3), ("collect",),
+        ("csv", 5),
+    ]  # fmt: skip
+    events.clear()
+    config = StubConfig(
+        runs_dir=str(tmp_path / "runs"), progress=False, num_updates=6, updates_per_chunk=2
+    )
+    run_training(config, make_stub(), stub_validate, stop_when=lambda update, _: update == 4)
+    stopped_at_4 = [
+        ("launch", 0), ("collect",),
+        ("launch", 2), ("csv", 1), ("collect",),
+        ("csv", 3),
+    ]  # fmt: skip
+    assert events == stopped_at_4
+    events.clear()
+    with pytest.raises(SystemExit):
+        train(tmp_path / "diverged", num_updates=6, updates_per_chunk=2, nan_at=4)
+    assert events == stopped_at_4
+
+
 def recorded_saves(monkeypatch, seconds: float = 0.0) -> list[int]:
     """The updates whose checkpoints the driver saves; each save takes `seconds` longer, as a
     large state's does."""
@@ -352,14 +406,14 @@ def test_automatic_checkpoints_keep_their_writing_to_a_share_of_the_training(tmp
     third chunk, after the first and before the last, which are always saved. (Margins: a
     real save may take up to 0.15 s, two real chunks up to 1 s.)"""
     saved = recorded_saves(monkeypatch, seconds=0.6)
-    real_call = driver._ChunkRunner.__call__
+    real_collect = driver._ChunkRunner.collect
 
-    def five_seconds_more_training(self, state, num_updates):
-        out = real_call(self, state, num_updates)
+    def five_seconds_more_training(self, launched):
+        out = real_collect(self, launched)
         self.clock.train_seconds += 5.0
         return out
 
-    monkeypatch.setattr(driver._ChunkRunner, "__call__", five_seconds_more_training)
+    monkeypatch.setattr(driver._ChunkRunner, "collect", five_seconds_more_training)
     summary = train(tmp_path, num_updates=16, updates_per_chunk=2, checkpoint_every=0)
     assert driver.CHECKPOINT_SHARE == 0.05
     assert saved == [2, 8, 14, 16]
@@ -371,10 +425,10 @@ def test_a_stop_saves_the_state_it_stops_at_between_automatic_checkpoints(tmp_pa
     the driver saves it, exits 130, and the run resumes from it to the uninterrupted numbers."""
     uninterrupted = train(tmp_path / "whole", updates_per_chunk=2)["run_dir"]
     saved = recorded_saves(monkeypatch, seconds=0.25)
-    real_call, asked = driver._ChunkRunner.__call__, []
+    real_collect, asked = driver._ChunkRunner.collect, []
 
-    def stop_asked_during_the_third_chunk(self, state, num_updates):
-        out = real_call(self, state, num_updates)
+    def stop_asked_during_the_third_chunk(self, launched):
+        out = real_collect(self, launched)
         asked.append(len(asked) == 2 or bool(asked and asked[-1]))
         return out
 
@@ -383,7 +437,7 @@ def test_a_stop_saves_the_state_it_stops_at_between_automatic_checkpoints(tmp_pa
             raise KeyboardInterrupt
 
     with monkeypatch.context() as patch:
-        patch.setattr(driver._ChunkRunner, "__call__", stop_asked_during_the_third_chunk)
+        patch.setattr(driver._ChunkRunner, "collect", stop_asked_during_the_third_chunk)
         patch.setattr(interrupts, "stop_requested", lambda: bool(asked and asked[-1]))
         patch.setattr(interrupts, "check", check)
         with pytest.raises(SystemExit) as exit_info:
@@ -788,7 +842,7 @@ def test_ctrl_c_before_the_first_checkpoint_leaves_no_directory(tmp_path, monkey
     def interrupt(*_):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(driver._ChunkRunner, "__call__", interrupt)  # e.g. while compiling
+    monkeypatch.setattr(driver._ChunkRunner, "launch", interrupt)  # e.g. while compiling
     with pytest.raises(SystemExit) as exit_info:
         train(tmp_path)
     assert exit_info.value.code == 130

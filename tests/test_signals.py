@@ -271,22 +271,22 @@ import os, signal, sys, time
 import purejaxrl_ppo
 from utils import checkpoint, driver, interrupts
 
-real_write, real_call, chunks = checkpoint._write, driver._ChunkRunner.__call__, []
+real_write, real_collect, chunks = checkpoint._write, driver._ChunkRunner.collect, []
 
 def write(path, arrays):
     time.sleep(0.3)
     real_write(path, arrays)
 
-def call(self, state, num_updates):
-    out = real_call(self, state, num_updates)
-    chunks.append(num_updates)
+def collect(self, launched):
+    out = real_collect(self, launched)
+    chunks.append(launched.num_updates)
     if len(chunks) == 3:
         os.kill(os.getpid(), signal.SIGINT)
         while not interrupts.stop_requested():  # the listening thread has taken it
             time.sleep(0.01)
     return out
 
-checkpoint._write, driver._ChunkRunner.__call__ = write, call
+checkpoint._write, driver._ChunkRunner.collect = write, collect
 sys.argv = sys.argv[1:]  # the script and its flags
 purejaxrl_ppo.main()
 """

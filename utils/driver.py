@@ -11,7 +11,8 @@ contract of utils/trainer.py, in four stages that read top to bottom:
    devices on the outer axis, runs on the inner one, one compiled program for every chunk
    (and a second one for a trainer's chunk evaluation, run on each chunk's final state).
    Between chunks, and only there, the host writes metrics.csv, wandb, the progress bar and
-   an atomic checkpoint. With a single chunk the whole run is exactly one scan.
+   an atomic checkpoint, while the devices already train the next chunk. With a single chunk
+   the whole run is exactly one scan.
 4. `report`: evaluation, video, the learning curve, summary.json (last) and the one-line result.
 
 `reevaluate` runs the final evaluation of a finished run again (--resume with --eval-episodes
@@ -32,7 +33,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -436,6 +437,8 @@ class _Clock:
 
     wall_start: float
     compile_seconds: float = 0.0
+    # from each chunk's launch to its results on the host, the writing of the chunk before it
+    # included where it outlasts the devices' training
     train_seconds: float = 0.0
     previous: dict = dataclasses.field(
         default_factory=lambda: {"train_seconds": 0.0, "compile_seconds": 0.0, "wall_seconds": 0.0}
@@ -571,6 +574,16 @@ def _in_background(compile_program: Callable) -> concurrent.futures.Future:
     return future
 
 
+class _Launched(NamedTuple):
+    """A chunk running on the devices (`_ChunkRunner.launch`): its outputs, not yet ready."""
+
+    state: Any
+    metrics: dict
+    finite: jax.Array
+    num_updates: int
+    started: float  # time.perf_counter() at its launch
+
+
 class _ChunkRunner:
     """`train_chunk` compiled once, as pmap(vmap(chunk)) over the runs. The same program checks
     the divergence guard's state (`_state_finite`), so that the check costs neither a
@@ -593,8 +606,8 @@ class _ChunkRunner:
 
     def start_compiling(self, abstract_state) -> None:
         """Begin compiling from the state's shapes, each program in a thread of its own;
-        `__call__` waits for them. A compiled pmap takes global arrays only: a run of several
-        processes compiles at its first call instead."""
+        the first `launch` waits for them. A compiled pmap takes global arrays only: a run of
+        several processes compiles at its first launch instead."""
         if self.plan.multi_process:
             return
         args = self._arguments(abstract_state, self.length)
@@ -637,10 +650,11 @@ class _ChunkRunner:
             for function in functions
         ]
 
-    def __call__(self, state, num_updates: int):
-        """Train `num_updates` (the chunk's length, or fewer in a masked program's last chunk)
-        and evaluate, if the trainer does: (new state, metrics {name: [runs, num_updates]},
-        each run's guarded state finite [runs])."""
+    def launch(self, state, num_updates: int) -> _Launched:
+        """Start training `num_updates` (the chunk's length, or fewer in a masked program's
+        last chunk) from `state`, and the chunk evaluation after them, if the trainer has one.
+        The devices run it while the host goes on; `collect` waits for it. The first launch
+        waits for the compilation."""
         args = self._arguments(state, num_updates)
         if self.compiled is None:
             start = time.perf_counter()
@@ -659,16 +673,21 @@ class _ChunkRunner:
         state, metrics, finite = chunk(*args)
         if evaluation:
             metrics = {**metrics, **evaluation[0](state, *args[1:])}
-        metrics, finite = jax.device_get((metrics, finite))
-        self.clock.train_seconds += time.perf_counter() - start
+        return _Launched(state, metrics, finite, num_updates, start)
+
+    def collect(self, launched: _Launched):
+        """Wait for a launched chunk: (new state, metrics {name: [runs, num_updates]}, each
+        run's guarded state finite [runs]). The clock counts its training from its launch."""
+        metrics, finite = jax.device_get((launched.metrics, launched.finite))
+        self.clock.train_seconds += time.perf_counter() - launched.started
         check_chunk_metrics(
             {k: v[0] for k, v in metrics.items()}, self.length, self.plan.trainer.guarded_metrics
         )
         metrics = {
-            k: np.asarray(v[0] if k.startswith("record_") else v[0, :, :num_updates])
+            k: np.asarray(v[0] if k.startswith("record_") else v[0, :, : launched.num_updates])
             for k, v in metrics.items()
         }
-        return state, metrics, np.asarray(finite[0])
+        return launched.state, metrics, np.asarray(finite[0])
 
 
 def _state_finite(guarded) -> jax.Array:
@@ -782,7 +801,9 @@ def train_in_chunks(
     """Train to the last update, one compiled chunk at a time. After each chunk, and only there,
     process 0 appends to metrics.csv and wandb, writes records and saves a checkpoint when one
     is due (`_Checkpoints`); a stop signal takes effect there too (utils/interrupts.py), after
-    a checkpoint of the state it stops at. A chunk in which a run diverged
+    a checkpoint of the state it stops at. The next chunk is launched before that writing, so
+    that the devices train while the host writes; a chunk after which training stops (the
+    last, a stop, `stop_when`, divergence) launches none. A chunk in which a run diverged
     (`_divergence`; off with --allow-nonfinite) is logged but not kept: training stops at the
     last finite state. `after_first_chunk(state)`, if given, is called once the first chunk
     has trained (to start the background compilations that wait for it); `stop_when` as in
@@ -795,14 +816,21 @@ def train_in_chunks(
     progress = _Progress(
         plan.config.progress and is_main, trainer.num_updates, start_update, trainer.env_id, trainer
     )
+
+    def chunk_after(update: int) -> int:
+        return min(plan.chunk_len, trainer.num_updates - update)
+
     update = start_update
+    launched = None  # the chunk from `update` on, when the previous one launched it
     try:
         while update < trainer.num_updates:
             if interrupts.stop_requested():  # asked for after the last chunk's checkpoint
                 checkpoints.save(state, update)
             interrupts.check()
-            num_updates = min(plan.chunk_len, trainer.num_updates - update)
-            new_state, metrics, finite_state = run_chunk(state, num_updates)
+            num_updates = chunk_after(update)
+            launched = launched or run_chunk.launch(state, num_updates)
+            new_state, metrics, finite_state = run_chunk.collect(launched)
+            launched = None
             if after_first_chunk is not None:
                 after_first_chunk(new_state)
                 after_first_chunk = None
@@ -812,6 +840,12 @@ def train_in_chunks(
             divergence = _divergence(plan, finite_state, metrics, first_update) if guarded else None
             preempted = plan.multi_process and _preempted(end)
             stopped = stop_when is not None and stop_when(end, metrics)
+            last = end == trainer.num_updates or preempted or stopped
+            if divergence is None:
+                # the state before this chunk is dropped first: two states at once, not three
+                state, update = new_state, end
+                if not last and not interrupts.stop_requested():
+                    launched = run_chunk.launch(state, chunk_after(update))
             with interrupts.held():  # a chunk's logs, and its checkpoint if any, land together
                 if is_main:
                     if metrics_csv is None:
@@ -828,8 +862,6 @@ def train_in_chunks(
                     # its rows show the NaN; its state is not kept, the state before it is saved
                     checkpoints.save(state, update)
                     break
-                state, update = new_state, end
-                last = update == trainer.num_updates or preempted or stopped
                 checkpoints.after_chunk(state, update, now=last or interrupts.stop_requested())
             if is_main and records and trainer.write_records is not None:
                 with naming_the_file(os.path.join(plan.run_dir, "games")):
