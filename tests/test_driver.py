@@ -1045,6 +1045,50 @@ def test_allow_nonfinite_trains_to_the_end(tmp_path):
     assert [r["loss"] for r in read_rows(summary["run_dir"])][5:] == ["nan"] * 3
 
 
+def test_the_state_check_finds_every_non_finite_value_small_or_large_leaf():
+    """`_state_finite` against a plain loop over the leaves: each of NaN, inf and -inf, in a
+    small leaf (checked in one vector per dtype) or a large one (checked where it lies), of
+    float32 or bfloat16; integer leaves are not checked. Vmapped over runs, as the chunk's
+    program runs it."""
+    rng = np.random.default_rng(0)
+    large = driver.CONCATENATED_CHECK_SIZE + 1
+    shapes = {"w": (3, 4), "b": (4,), "big": (large,), "half": (5,), "big_half": (large,)}
+
+    def make_state(poison):
+        state = {
+            name: rng.normal(size=(2, *shape)).astype(
+                jnp.bfloat16 if "half" in name else np.float32
+            )
+            for name, shape in shapes.items()
+        }
+        state["count"] = np.full((2, 3), 7, np.int32)
+        for run, name, value in poison:
+            flat = state[name][run].reshape(-1)
+            flat[rng.integers(flat.size)] = value
+        return state
+
+    def reference(state, run):
+        return all(
+            np.isfinite(np.asarray(x[run], np.float32)).all()
+            for x in state.values()
+            if np.issubdtype(x.dtype, np.inexact) or x.dtype == jnp.bfloat16
+        )
+
+    check = jax.jit(jax.vmap(driver._state_finite))
+    cases = [[]] + [
+        [(run, name, value)]
+        for name in shapes
+        for value in (np.nan, np.inf, -np.inf)
+        for run in (0, 1)
+    ]
+    for poison in cases:
+        state = make_state(poison)
+        expected = [reference(state, run) for run in (0, 1)]
+        assert expected.count(False) == len(poison)  # the reference sees the poisoned run
+        assert check(state).tolist() == expected, poison
+    assert bool(jax.jit(driver._state_finite)({"count": np.int32(1)}))
+
+
 def test_a_loss_not_reported_yet_is_not_divergence(tmp_path):
     """DQN's loss is NaN until learning starts: a chunk that is NaN from its start, with finite
     parameters, is a run that has nothing to report yet."""
