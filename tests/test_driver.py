@@ -492,6 +492,42 @@ def test_the_first_chunk_compiles_beside_the_initial_state(tmp_path, monkeypatch
     in_order(3, "evaluate")
 
 
+def test_the_first_chunk_trains_while_its_evaluation_compiles(tmp_path, monkeypatch):
+    """A chunk evaluation's program (AlphaZero's) is traced once the chunk's is lowered, and
+    the first chunk is launched as soon as its own program has compiled: here the evaluation's
+    tracing waits for the first chunk's launch, which it would wait for in vain if the launch
+    waited for every program."""
+    launched, waits = threading.Event(), []
+    real_program = driver._ChunkRunner._program
+
+    def program(self, index, args):
+        compiled = real_program(self, index, args)
+        if index == 1:
+            return compiled
+
+        def chunk(*chunk_args):
+            out = compiled(*chunk_args)
+            launched.set()
+            return out
+
+        return chunk
+
+    def make_train(config, runtime=None):
+        trainer = make_stub(evaluate_in_chunks=True)(config, runtime)
+
+        def chunk_evaluation(state):
+            waits.append(launched.wait(timeout=20))
+            return trainer.chunk_evaluation(state)
+
+        return dataclasses.replace(trainer, chunk_evaluation=chunk_evaluation)
+
+    monkeypatch.setattr(driver._ChunkRunner, "_program", program)
+    summary = train(tmp_path, make_train, num_updates=4, updates_per_chunk=2)
+    assert waits == [True]
+    rows = read_rows(summary["run_dir"])
+    assert [r["eval_x"] != "nan" for r in rows] == [False, True, False, True]
+
+
 def test_checkpoint_reads_back_every_dtype_and_the_orbax_format_of_earlier_versions(tmp_path):
     state = {
         "w": np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3),

@@ -31,6 +31,7 @@ import math
 import os
 import shutil
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -596,7 +597,7 @@ class _ChunkRunner:
 
     def __init__(self, plan: RunPlan, clock: _Clock, first_update: int):
         self.plan, self.clock = plan, clock
-        self.compiled: list[Callable] | None = None  # `_programs`, once compiled
+        self.compiled: list[Callable | None] | None = None  # `_programs`, as they compile
         self.compiling: list[concurrent.futures.Future] | None = None  # from start_compiling
         trainer = plan.trainer
         # one length from the start, so that a resumed run compiles the program it started with
@@ -606,18 +607,29 @@ class _ChunkRunner:
 
     def start_compiling(self, abstract_state) -> None:
         """Begin compiling from the state's shapes, each program in a thread of its own;
-        the first `launch` waits for them. A compiled pmap takes global arrays only: a run of
-        several processes compiles at its first launch instead."""
+        `launch` waits for each where it first needs it. The chunk evaluation's program is
+        traced once the chunk's is lowered: tracing holds the GIL, and the chunk's program is
+        needed first. A compiled pmap takes global arrays only: a run of several processes
+        compiles at its first launch instead."""
         if self.plan.multi_process:
             return
         args = self._arguments(abstract_state, self.length)
+        chunk, *evaluation = self._programs()
+        chunk_lowered = threading.Event()
 
-        def compile_program(program):
+        def compile_chunk():
+            try:
+                lowered = chunk.lower(*args)
+            finally:
+                chunk_lowered.set()
+            return lowered.compile()
+
+        def compile_evaluation(program):
+            chunk_lowered.wait()
             return program.lower(*args).compile()
 
-        self.compiling = [
-            _in_background(functools.partial(compile_program, program))
-            for program in self._programs()
+        self.compiling = [_in_background(compile_chunk)] + [
+            _in_background(functools.partial(compile_evaluation, program)) for program in evaluation
         ]
 
     def _arguments(self, state, num_updates: int) -> tuple:
@@ -650,29 +662,43 @@ class _ChunkRunner:
             for function in functions
         ]
 
+    def _program(self, index: int, args) -> Callable:
+        """Program `index` of `_programs`, compiled; the first time, after waiting for its
+        compilation, which the clock counts as compiling."""
+        if self.compiled is None:
+            self.compiled = [None] * (1 + bool(self.plan.trainer.chunk_evaluation))
+        if self.compiled[index] is None:
+            start = time.perf_counter()
+            if self.compiling is not None:  # a single process: start_or_resume started it
+                self.compiled[index] = self.compiling[index].result()
+            else:
+                # A compiled pmap takes global arrays only; with several processes the pmapped
+                # function converts this process's arrays and reuses the compilation.
+                program = self._programs()[index]
+                program.lower(*args).compile()
+                self.compiled[index] = program
+            self.clock.compile_seconds += time.perf_counter() - start
+            interrupts.check()  # a stop asked for while compiling: before anything more runs
+        return self.compiled[index]
+
     def launch(self, state, num_updates: int) -> _Launched:
         """Start training `num_updates` (the chunk's length, or fewer in a masked program's
         last chunk) from `state`, and the chunk evaluation after them, if the trainer has one.
         The devices run it while the host goes on; `collect` waits for it. The first launch
-        waits for the compilation."""
+        waits for the chunk's compilation, then for the evaluation's while the chunk trains."""
         args = self._arguments(state, num_updates)
-        if self.compiled is None:
-            start = time.perf_counter()
-            if self.compiling is not None:  # a single process: start_or_resume started it
-                self.compiled = [future.result() for future in self.compiling]
-            else:
-                # A compiled pmap takes global arrays only; with several processes the pmapped
-                # function converts this process's arrays and reuses the compilation.
-                self.compiled = self._programs()
-                for program in self.compiled:
-                    program.lower(*args).compile()
-            self.clock.compile_seconds += time.perf_counter() - start
-            interrupts.check()  # a stop asked for while compiling: before the chunk runs
+        chunk = self._program(0, args)
         start = time.perf_counter()
-        chunk, *evaluation = self.compiled
         state, metrics, finite = chunk(*args)
-        if evaluation:
-            metrics = {**metrics, **evaluation[0](state, *args[1:])}
+        if self.plan.trainer.chunk_evaluation:
+            if self.compiled[1] is None:
+                # The evaluation may still compile while the chunk trains: the clock counts
+                # the chunk's time as training and only the wait after it as compiling.
+                jax.block_until_ready(finite)
+                trained = time.perf_counter() - start
+                self._program(1, args)
+                start = time.perf_counter() - trained
+            metrics = {**metrics, **self._program(1, args)(state, *args[1:])}
         return _Launched(state, metrics, finite, num_updates, start)
 
     def collect(self, launched: _Launched):
