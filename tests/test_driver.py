@@ -327,11 +327,12 @@ def test_stop_when_ends_training_after_a_chunk_and_resume_trains_on(tmp_path):
 
 
 def recorded_launches(monkeypatch) -> list[tuple]:
-    """The driver's chunk launches, collections and metrics.csv appends, in their order:
-    ("launch", the update it trains from), ("collect",), ("csv", its first update)."""
+    """The driver's chunk launches, collections, metrics.csv appends and checkpoint saves, in
+    their order: ("launch", the update it trains from), ("collect",), ("csv", its first
+    update), ("save", its update)."""
     events = []
     real_launch, real_collect = driver._ChunkRunner.launch, driver._ChunkRunner.collect
-    real_append = driver.MetricsCsv.append
+    real_append, real_save = driver.MetricsCsv.append, checkpoint.save
 
     def launch(self, state, num_updates):
         events.append(("launch", int(np.asarray(state["updates"]).ravel()[0])))
@@ -345,39 +346,48 @@ def recorded_launches(monkeypatch) -> list[tuple]:
         events.append(("csv", first_update))
         return real_append(self, first_update, *args)
 
+    def save(directory, update, *args, **kwargs):
+        events.append(("save", update))
+        return real_save(directory, update, *args, **kwargs)
+
     monkeypatch.setattr(driver._ChunkRunner, "launch", launch)
     monkeypatch.setattr(driver._ChunkRunner, "collect", collect)
     monkeypatch.setattr(driver.MetricsCsv, "append", append)
+    monkeypatch.setattr(checkpoint, "save", save)
     return events
 
 
 def test_the_next_chunk_trains_while_the_host_writes_the_last_one(tmp_path, monkeypatch):
-    """Each chunk but the last launches the next before its metrics.csv rows (and its
-    checkpoint) are written; one after which training stops (`stop_when`, divergence)
+    """Each chunk but the last launches the next before its metrics.csv rows and its
+    checkpoint are written; one after which training stops (`stop_when`, divergence)
     launches none."""
     events = recorded_launches(monkeypatch)
-    train(tmp_path / "whole", num_updates=6, updates_per_chunk=2)
+    train(tmp_path / "whole", num_updates=6, updates_per_chunk=2, checkpoint_every=1)
     assert events == [
         ("launch", 0), ("collect",),
-        ("launch", 2), ("csv", 1), ("collect",),
-        ("launch", 4), ("csv", 3), ("collect",),
-        ("csv", 5),
+        ("launch", 2), ("csv", 1), ("save", 2), ("collect",),
+        ("launch", 4), ("csv", 3), ("save", 4), ("collect",),
+        ("csv", 5), ("save", 6),
     ]  # fmt: skip
     events.clear()
     config = StubConfig(
-        runs_dir=str(tmp_path / "runs"), progress=False, num_updates=6, updates_per_chunk=2
+        runs_dir=str(tmp_path / "runs"),
+        progress=False,
+        num_updates=6,
+        updates_per_chunk=2,
+        checkpoint_every=1,
     )
     run_training(config, make_stub(), stub_validate, stop_when=lambda update, _: update == 4)
-    stopped_at_4 = [
+    first_two_chunks = [
         ("launch", 0), ("collect",),
-        ("launch", 2), ("csv", 1), ("collect",),
+        ("launch", 2), ("csv", 1), ("save", 2), ("collect",),
         ("csv", 3),
     ]  # fmt: skip
-    assert events == stopped_at_4
+    assert events == [*first_two_chunks, ("save", 4)]
     events.clear()
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit):  # the state before the diverged chunk is saved already
         train(tmp_path / "diverged", num_updates=6, updates_per_chunk=2, nan_at=4)
-    assert events == stopped_at_4
+    assert events == first_two_chunks
 
 
 def recorded_saves(monkeypatch, seconds: float = 0.0) -> list[int]:
