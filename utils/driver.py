@@ -597,9 +597,10 @@ class _ChunkRunner:
 
     def __init__(self, plan: RunPlan, clock: _Clock, first_update: int):
         self.plan, self.clock = plan, clock
-        self.compiled: list[Callable | None] | None = None  # `_programs`, as they compile
-        self.compiling: list[concurrent.futures.Future] | None = None  # from start_compiling
         trainer = plan.trainer
+        # `_programs`, each once it has compiled
+        self.compiled: list[Callable | None] = [None] * (1 + bool(trainer.chunk_evaluation))
+        self.compiling: list[concurrent.futures.Future] | None = None  # from start_compiling
         # one length from the start, so that a resumed run compiles the program it started with
         self.length = min(plan.chunk_len, trainer.num_updates)
         self.masked = (trainer.num_updates - first_update) % self.length != 0
@@ -665,8 +666,6 @@ class _ChunkRunner:
     def _program(self, index: int, args) -> Callable:
         """Program `index` of `_programs`, compiled; the first time, after waiting for its
         compilation, which the clock counts as compiling."""
-        if self.compiled is None:
-            self.compiled = [None] * (1 + bool(self.plan.trainer.chunk_evaluation))
         if self.compiled[index] is None:
             start = time.perf_counter()
             if self.compiling is not None:  # a single process: start_or_resume started it
