@@ -8,9 +8,15 @@ import jax
 import numpy as np
 import pytest
 
-from tests.helpers import TINY_PPO, run_script
+import purejaxrl_az
+import purejaxrl_dqn
+import purejaxrl_ppo
+from tests.helpers import TINY_AZ, TINY_DQN, TINY_PPO, run_script
+from utils import driver
+from utils.cli import parse_config
 from utils.devices import (
     DEVICE_AXIS,
+    compile_for_one_call,
     device_mean,
     device_sum,
     split_cpu_host,
@@ -34,6 +40,46 @@ def test_unrolled_threefry_draws_the_same_numbers_without_a_loop():
         unroll_threefry_on_cpu(False)  # as every trainer's run leaves it
     assert " while(" in rolled.as_text() and " while(" not in unrolled.as_text()
     for a, b in zip(rolled(key), unrolled(key), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "module, args",
+    [
+        (purejaxrl_ppo, ["--env", "CartPole", *TINY_PPO]),
+        (purejaxrl_dqn, TINY_DQN),
+        (purejaxrl_az, TINY_AZ),
+    ],
+    ids=["ppo", "dqn", "az"],
+)
+def test_the_initial_state_compiles_with_simple_kernels_to_the_same_numbers(
+    module, args, tmp_path, monkeypatch
+):
+    """The driver compiles each run's initial state with XLA:CPU's simpler kernels, a program
+    other than the default kernels' that computes the same bits."""
+    extra = {"preset_key": module.resolve_game} if module is purejaxrl_az else {}
+    config = parse_config(
+        module.Config, module.PRESETS, [*args, "--runs-dir", str(tmp_path)], **extra
+    )
+    plan = driver.plan_runs(config, module.make_train, module.validate)
+    compiled = []
+
+    def recorded(lowered, **options):
+        compiled.append((lowered, options, compile_for_one_call(lowered, **options)))
+        return compiled[-1][2]
+
+    monkeypatch.setattr(driver, "compile_for_one_call", recorded)
+    state, _ = driver.start_or_resume(plan, driver._Clock(wall_start=0.0))
+    ((lowered, options, simple),) = compiled
+    assert options == {"simple_kernels": True}
+    default = compile_for_one_call(lowered)
+    assert default.as_text() != simple.as_text()
+
+    def on_every_device(x):
+        return np.repeat(x[None], plan.local_devices, 0)
+
+    default_state = default(*jax.tree.map(on_every_device, (plan.run_keys, plan.run_hyperparams)))
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(default_state), strict=True):
         np.testing.assert_array_equal(a, b)
 
 

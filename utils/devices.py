@@ -48,14 +48,23 @@ def available_cores() -> int:
 LLVM_LEVEL_FLAG = "--xla_backend_optimization_level"
 
 
-def compile_for_one_call(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
+def compile_for_one_call(
+    lowered: jax.stages.Lowered, *, simple_kernels: bool = False
+) -> jax.stages.Compiled:
     """Compile a program that runs once per run (the initial state, the evaluation after
     training). On CPU it compiles at LLVM optimisation level 0, about twice as fast
     (docs/benchmarks.md), while the program runs for milliseconds. Its floating-point results
-    may differ from level 3's in the last bit."""
+    may differ from level 3's in the last bit. `simple_kernels` also emits the fused kernels
+    with XLA:CPU's older emitter (`xla_cpu_use_fusion_emitters` off): it compiles in about
+    half the CPU time and its kernels run slower, so it suits a program that runs for a few
+    milliseconds whatever its kernels (the initial state), not one that loops over env steps
+    (the evaluation)."""
     if jax.default_backend() != "cpu":
         return lowered.compile()
-    return lowered.compile(compiler_options={LLVM_LEVEL_FLAG.removeprefix("--"): 0})
+    options = {LLVM_LEVEL_FLAG.removeprefix("--"): 0}
+    if simple_kernels:
+        options["xla_cpu_use_fusion_emitters"] = False
+    return lowered.compile(compiler_options=options)
 
 
 def unroll_threefry_on_cpu(unrolled: bool = True) -> None:

@@ -552,7 +552,7 @@ def start_or_resume(plan: RunPlan, clock: _Clock, on_state_shapes: Callable | No
         lowered = init_runs.lower(*args)
         if on_state_shapes is not None:
             on_state_shapes(plan.state_shapes)
-        init_runs = compile_for_one_call(lowered)
+        init_runs = compile_for_one_call(lowered, simple_kernels=True)
     state = jax.block_until_ready(init_runs(*args))
     clock.compile_seconds += time.perf_counter() - start
     if plan.config.resume is None:
