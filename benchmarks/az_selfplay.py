@@ -20,7 +20,9 @@ driver: its moves/s also pay for the replay buffer, metrics, checkpoints and the
 evaluation every `--eval-every` iterations, which the example does not have.
 
 The three alternate for `--rounds` rounds per game, so that a machine's drifting speed hits
-each; later rounds of ours read their program from a compilation cache.
+each. Every compilation starts from scratch, as in a fresh process: no persistent compilation
+cache, and JAX's in-memory caches cleared first (the example's whole iteration would otherwise
+reuse the self-play program compiled just before it).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from benchmarks.references import (
     reference_selfplay,
 )
 from utils.cli import parse_config
-from utils.devices import split_cpu_host
+from utils.devices import split_cpu_host, use_compile_cache
 from utils.driver import run_training
 from utils.logs import write_json
 
@@ -100,6 +102,7 @@ def compile_reference(game: str, num_games: int, steps: int, simulations: int):
 
     replicated = jax.tree.map(lambda x: jnp.stack([x] * devices), variables)
     keys = jax.random.split(jax.random.PRNGKey(1), devices)
+    jax.clear_caches()
     start = time.perf_counter()
     compiled = jax.pmap(selfplay).lower(replicated, keys).compile()
     compile_seconds = time.perf_counter() - start
@@ -124,6 +127,7 @@ def compile_whole_iteration(game: str, num_games: int, steps: int, simulations: 
     example = ReferenceAlphaZero(game, settings)
     init_key, compile_key, key = jax.random.split(jax.random.PRNGKey(2), 3)
     variables, opt_state = example.init(init_key)
+    jax.clear_caches()
     start = time.perf_counter()
     example.compile(variables, opt_state, compile_key)
     compile_seconds = time.perf_counter() - start
@@ -146,7 +150,7 @@ def ours_moves_per_second(args: Args, game: str, num_games: str, runs_dir: str):
     cli = ["--env", game, "--num-games", num_games, "--runs-dir", runs_dir]
     cli += ["--num-iterations", str(args.iterations), "--no-progress"]
     cli += ["--num-simulations", str(args.num_simulations), "--cpu-devices"]
-    cli += [str(args.cpu_devices), *args.extra.split()]  # the benchmark sets devices
+    cli += [str(args.cpu_devices), "--no-compile-cache", *args.extra.split()]  # devices: set
 
     config = parse_config(
         purejaxrl_az.Config, purejaxrl_az.PRESETS, cli, preset_key=purejaxrl_az.resolve_game
@@ -155,16 +159,16 @@ def ours_moves_per_second(args: Args, game: str, num_games: str, runs_dir: str):
     # included).
     updates = max(1, config.num_games * config.rollout_steps // config.minibatch_size)
     config = dataclasses.replace(config, updates_per_iteration=updates)
+    jax.clear_caches()
     summary = run_training(config, purejaxrl_az.make_train, purejaxrl_az.validate)
     return summary["steps_per_second"], summary["compile_seconds"]
 
 
 def main(args: Args) -> list[dict]:
     split_cpu_host(args.cpu_devices)
+    use_compile_cache(False)  # every side compiles from scratch
     results = []
     with tempfile.TemporaryDirectory() as runs_dir:
-        if not jax.config.jax_compilation_cache_dir:
-            jax.config.update("jax_compilation_cache_dir", os.path.join(runs_dir, "jax_cache"))
         for entry in args.games:
             game, num_games = entry.split(":")
             sizes = (game, int(num_games), args.rollout_steps, args.num_simulations)
@@ -186,8 +190,7 @@ def main(args: Args) -> list[dict]:
                     "whole_iteration_moves_per_second": [round(m) for m in whole_runs],
                     "whole_iteration_compile_seconds": round(whole_compile, 2),
                     "ours_moves_per_second": [round(m) for m in ours],
-                    # Later rounds load the program from the compilation cache.
-                    "ours_compile_seconds": round(our_runs[0][1], 2),
+                    "ours_compile_seconds": round(our_runs[0][1], 2),  # the first round's
                     "ratio": round(float(np.median(ours) / np.median(reference_runs)), 3),
                     "ratio_to_whole_iteration": round(
                         float(np.median(ours) / np.median(whole_runs)), 3
