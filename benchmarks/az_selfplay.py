@@ -149,8 +149,8 @@ def ours_moves_per_second(args: Args, game: str, num_games: str, runs_dir: str):
     """(moves/s, compile s) of one `purejaxrl_az.py` run through the driver."""
     cli = ["--env", game, "--num-games", num_games, "--runs-dir", runs_dir]
     cli += ["--num-iterations", str(args.iterations), "--no-progress"]
-    cli += ["--num-simulations", str(args.num_simulations), "--cpu-devices"]
-    cli += [str(args.cpu_devices), "--no-compile-cache", *args.extra.split()]  # devices: set
+    cli += ["--num-simulations", str(args.num_simulations), "--no-compile-cache"]
+    cli += ["--cpu-devices", str(args.cpu_devices), *args.extra.split()]
 
     config = parse_config(
         purejaxrl_az.Config, purejaxrl_az.PRESETS, cli, preset_key=purejaxrl_az.resolve_game
