@@ -17,7 +17,9 @@ devices. It is measured two ways, moves/s with compilation excluded:
 Ours is `purejaxrl_az.py` at the game's preset with the same network size, simulations and
 number of games, training on each position about once as the example does, through the normal
 driver: its moves/s also pay for the replay buffer, metrics, checkpoints and the in-loop
-evaluation every `--eval-every` iterations, which the example does not have.
+evaluation every `--eval-every` iterations, which the example does not have. They are timed
+over its chunks after the first, as the example's calls after a warm-up call (the JSON file
+also has the whole run's), so `--iterations` must be at least twice `--eval-every`.
 
 The three alternate for `--rounds` rounds per game, so that a machine's drifting speed hits
 each. Every compilation starts from scratch, as in a fresh process: no persistent compilation
@@ -61,8 +63,8 @@ class Args:
     games: tuple[str, ...] = ("tic_tac_toe:256", "connect_four:128")
     """game:number of games played side by side"""
     iterations: int = 20
-    """iterations of our trainer per game (a multiple of the preset's --eval-every includes
-    its evaluations)"""
+    """iterations of our trainer per game: at least twice its --eval-every, as its moves/s are
+    timed after its first chunk (a multiple of --eval-every includes its evaluations)"""
     rounds: int = 2
     """times each of the three sides runs per game, alternating"""
     rollout_steps: int = 32
@@ -146,7 +148,10 @@ def compile_whole_iteration(game: str, num_games: int, steps: int, simulations: 
 
 
 def ours_moves_per_second(args: Args, game: str, num_games: str, runs_dir: str):
-    """(moves/s, compile s) of one `purejaxrl_az.py` run through the driver."""
+    """(moves/s, the whole run's moves/s, compile s) of one `purejaxrl_az.py` run through the
+    driver. The first is timed over the chunks after the first, as the example's calls are
+    timed after a warm-up call: during the first chunk the in-loop evaluation's program
+    compiles on the same cores (utils/driver.py), which slows that chunk's training."""
     cli = ["--env", game, "--num-games", num_games, "--runs-dir", runs_dir]
     cli += ["--num-iterations", str(args.iterations), "--no-progress"]
     cli += ["--num-simulations", str(args.num_simulations), "--no-compile-cache"]
@@ -161,7 +166,16 @@ def ours_moves_per_second(args: Args, game: str, num_games: str, runs_dir: str):
     config = dataclasses.replace(config, updates_per_iteration=updates)
     jax.clear_caches()
     summary = run_training(config, purejaxrl_az.make_train, purejaxrl_az.validate)
-    return summary["steps_per_second"], summary["compile_seconds"]
+    if len(summary["chunk_ends"]) < 2:
+        sys.exit(
+            "ours trained in one chunk: give --iterations at least twice its --eval-every, so"
+            " that its moves/s are timed after its first chunk"
+        )
+    first, last = summary["chunk_ends"][0], summary["chunk_ends"][-1]
+    moves_per_update = summary["env_steps_per_seed"] // summary["num_updates"]
+    moves = (last["update"] - first["update"]) * moves_per_update
+    seconds = last["train_seconds"] - first["train_seconds"]
+    return moves / seconds, summary["steps_per_second"], summary["compile_seconds"]
 
 
 def main(args: Args) -> list[dict]:
@@ -179,7 +193,7 @@ def main(args: Args) -> list[dict]:
                 reference_runs.append(reference())
                 whole_runs.append(whole())
                 our_runs.append(ours_moves_per_second(args, game, num_games, runs_dir))
-            ours = [moves for moves, _ in our_runs]
+            ours = [moves for moves, _, _ in our_runs]
             results.append(
                 {
                     "game": game,
@@ -190,7 +204,8 @@ def main(args: Args) -> list[dict]:
                     "whole_iteration_moves_per_second": [round(m) for m in whole_runs],
                     "whole_iteration_compile_seconds": round(whole_compile, 2),
                     "ours_moves_per_second": [round(m) for m in ours],
-                    "ours_compile_seconds": round(our_runs[0][1], 2),  # the first round's
+                    "ours_whole_run_moves_per_second": [round(run[1]) for run in our_runs],
+                    "ours_compile_seconds": round(our_runs[0][2], 2),  # the first round's
                     "ratio": round(float(np.median(ours) / np.median(reference_runs)), 3),
                     "ratio_to_whole_iteration": round(
                         float(np.median(ours) / np.median(whole_runs)), 3

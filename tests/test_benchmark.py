@@ -37,7 +37,7 @@ def check_az_selfplay_benchmark(tmp_path):
     result = run_script(
         "benchmarks/az_selfplay.py",
         "--games", "connect_four:16",
-        "--iterations", "2",
+        "--iterations", "4",
         "--rollout-steps", "4",
         "--num-simulations", "4",
         "--rounds", "2",
@@ -51,6 +51,7 @@ def check_az_selfplay_benchmark(tmp_path):
     sides = ("reference", "whole_iteration", "ours")
     rounds = [row[f"{side}_moves_per_second"] for side in sides]
     assert [len(r) for r in rounds] == [2, 2, 2] and min(min(r) for r in rounds) > 0
+    assert len(row["ours_whole_run_moves_per_second"]) == 2
     assert min(row[f"{side}_compile_seconds"] for side in sides) > 0
     assert row["ratio"] > 0 and row["ratio_to_whole_iteration"] > 0
     assert "| connect_four | 16 | 1 x cpu |" in result.stdout
