@@ -55,8 +55,8 @@ def compile_for_one_call(
     training). On CPU it compiles at LLVM optimisation level 0, about twice as fast
     (docs/benchmarks.md), while the program runs for milliseconds. Its floating-point results
     may differ from level 3's in the last bit. `simple_kernels` also emits the fused kernels
-    with XLA:CPU's older emitter (`xla_cpu_use_fusion_emitters` off): it compiles in about
-    half the CPU time and its kernels run slower, so it suits a program that runs for a few
+    with XLA:CPU's older emitter (`xla_cpu_use_fusion_emitters` off): it compiles faster and
+    its kernels run slower (docs/benchmarks.md), so it suits a program that runs for a few
     milliseconds whatever its kernels (the initial state), not one that loops over env steps
     (the evaluation)."""
     if jax.default_backend() != "cpu":
