@@ -62,23 +62,22 @@ def test_the_initial_state_compiles_with_simple_kernels_to_the_same_numbers(
         module.Config, module.PRESETS, [*args, "--runs-dir", str(tmp_path)], **extra
     )
     plan = driver.plan_runs(config, module.make_train, module.validate)
-    compiled = []
+    compiled = []  # (the driver's options, the program compiled)
 
-    def recorded(lowered, **options):
-        compiled.append((lowered, options, compile_for_one_call(lowered, **options)))
-        return compiled[-1][2]
+    def compiling(**overridden):
+        def recorded(lowered, **options):
+            compiled.append((options, compile_for_one_call(lowered, **{**options, **overridden})))
+            return compiled[-1][1]
 
-    monkeypatch.setattr(driver, "compile_for_one_call", recorded)
+        return recorded
+
+    monkeypatch.setattr(driver, "compile_for_one_call", compiling())
     state, _ = driver.start_or_resume(plan, driver._Clock(wall_start=0.0))
-    ((lowered, options, simple),) = compiled
+    monkeypatch.setattr(driver, "compile_for_one_call", compiling(simple_kernels=False))
+    default_state, _ = driver.start_or_resume(plan, driver._Clock(wall_start=0.0))
+    (options, simple), (_, default) = compiled
     assert options == {"simple_kernels": True}
-    default = compile_for_one_call(lowered)
     assert default.as_text() != simple.as_text()
-
-    def on_every_device(x):
-        return np.repeat(x[None], plan.local_devices, 0)
-
-    default_state = default(*jax.tree.map(on_every_device, (plan.run_keys, plan.run_hyperparams)))
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(default_state), strict=True):
         np.testing.assert_array_equal(a, b)
 
