@@ -480,18 +480,19 @@ def game_shapes(env) -> tuple[int, tuple[int, ...]]:
 
 
 def make_networks(
-    config: Config, env, *, one_run: bool, one_core_each: bool = False
+    config: Config, env, *, one_run: bool, on_cpu: bool, one_core_each: bool = False
 ) -> tuple[nn.Module, nn.Module]:
     """The ResNet for search and the same one for SGD (`learner`): one set of parameters,
     several ways to compute its convolutions (utils/layers.py). On boards of at most 3x3
     (tic_tac_toe) one dense matmul over the whole board does the convolution's own arithmetic:
     fastest for SGD, and for search while XLA can spread that matmul over several cores of a
     device. Otherwise, on larger boards and on a CPU split into a device per core
-    (`one_core_each`), search runs XLA's convolution with one run, faster for a forward pass,
+    (`one_core_each`), search runs XLA's convolution with one run, the fastest forward pass,
     and the matmul form with vmapped seeds or sweep configurations (`one_run` False), where
-    XLA's convolution with batched parameters is slow. SGD on larger boards runs the matmul
-    form: XLA's convolution gradient in a loop is slow on CPU (docs/benchmarks.md). 2048 gets
-    its MLP."""
+    XLA's convolution with batched parameters is slow. SGD on larger boards runs XLA's
+    convolution with one run on a CPU (`on_cpu`), the matmul form otherwise: on a TPU the
+    two train at the same speed and the matmul form compiles sooner (docs/benchmarks.md).
+    2048 gets its MLP."""
     num_actions, observation_shape = game_shapes(env)
     if env.id == "2048":
         network = MLPNet(num_actions, config.num_blocks, config.num_channels)
@@ -505,7 +506,8 @@ def make_networks(
         config.batch_norm,
         conv_method=search_method,
     )
-    return network, network.clone(conv_method="dense" if small_board else "matmul")
+    learner_method = "dense" if small_board else "xla" if one_run and on_cpu else "matmul"
+    return network, network.clone(conv_method=learner_method)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1442,6 +1444,7 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
         config,
         env,
         one_run=runtime.num_runs == 1,
+        on_cpu=runtime.backend == "cpu",
         one_core_each=runtime.backend == "cpu" and available_cores() <= jax.local_device_count(),
     )
 

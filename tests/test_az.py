@@ -378,8 +378,9 @@ def test_building_the_trainer_compiles_nothing():
         ("tic_tac_toe", 2, "cpu", 1, "dense", "dense"),
         ("tic_tac_toe", 2, "cpu", 2, "dense", "dense"),
         ("tic_tac_toe", 1, "gpu", 1, "dense", "dense"),
-        ("connect_four", 2, "cpu", 1, "xla", "matmul"),
+        ("connect_four", 2, "cpu", 1, "xla", "xla"),
         ("connect_four", 1, "cpu", 2, "matmul", "matmul"),
+        ("connect_four", 1, "tpu", 1, "xla", "matmul"),
     ],
 )
 def test_convolution_forms_follow_the_runs_and_the_cores_per_device(

@@ -1,12 +1,15 @@
 """Layers in utils/ compute exactly what the flax layer they replace computes."""
 
+import re
+
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import purejaxrl_ppo
-from utils.layers import Conv3x3, orthogonal
+from utils.layers import Conv3x3, conv3x3_same, orthogonal
 
 
 @pytest.mark.parametrize("method", ["matmul", "xla", "dense"])
@@ -42,6 +45,71 @@ def test_conv3x3_dense_gradient_equals_flax_conv():
 
     dense, plain = jax.grad(loss("dense"))(params), jax.grad(loss("xla"))(params)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), dense, plain)
+
+
+def conv3x3_loop(x, kernel):
+    """'SAME' 3x3 convolution as plain loops over a zero-padded board: [N, H, W, C] x [3, 3, C,
+    F] -> [N, H, W, F]."""
+    n, height, width, _ = x.shape
+    padded = np.pad(x, [(0, 0), (1, 1), (1, 1), (0, 0)])
+    y = np.zeros((n, height, width, kernel.shape[-1]))
+    for row in range(height):
+        for col in range(width):
+            for dr in range(3):
+                for dc in range(3):
+                    y[:, row, col] += padded[:, row + dr, col + dc] @ kernel[dr, dc]
+    return y
+
+
+def test_conv3x3_same_gradient_equals_a_loop_reference():
+    """`conv3x3_same` and its own gradient against plain loops: the loss sum(y * dy) is linear
+    in x and in the kernel, so each derivative is a sum over the padded board."""
+    rng = np.random.default_rng(0)
+    x, kernel = rng.normal(size=(3, 6, 7, 2)), rng.normal(size=(3, 3, 2, 4))
+    dy = rng.normal(size=(3, 6, 7, 4))
+    np.testing.assert_allclose(
+        conv3x3_same(jnp.float32(x), jnp.float32(kernel)), conv3x3_loop(x, kernel), atol=1e-4
+    )
+    dx, dkernel = jax.grad(lambda a, k: jnp.sum(conv3x3_same(a, k) * dy), (0, 1))(
+        jnp.float32(x), jnp.float32(kernel)
+    )
+    # y[n, r, c] sums padded_x[n, r + dr, c + dc] @ kernel[dr, dc]: each term's derivatives
+    padded = np.pad(x, [(0, 0), (1, 1), (1, 1), (0, 0)])
+    expected_dx, expected_dkernel = np.zeros_like(padded), np.zeros_like(kernel)
+    for row in range(6):
+        for col in range(7):
+            for dr in range(3):
+                for dc in range(3):
+                    expected_dx[:, row + dr, col + dc] += dy[:, row, col] @ kernel[dr, dc].T
+                    expected_dkernel[dr, dc] += padded[:, row + dr, col + dc].T @ dy[:, row, col]
+    np.testing.assert_allclose(dx, expected_dx[:, 1:-1, 1:-1], atol=1e-4)
+    np.testing.assert_allclose(dkernel, expected_dkernel, atol=1e-4)
+
+
+def compiled_convolution_forms(conv) -> set[str]:
+    """The dimension orders of every convolution in XLA:CPU's optimised program of four SGD-like
+    steps of `conv`'s gradient in a `lax.scan`."""
+    x = jnp.ones((8, 6, 7, 4))
+
+    def step(kernel, _):
+        return kernel - 0.1 * jax.grad(lambda k: jnp.sum(conv(x, k) ** 2))(kernel), None
+
+    program = jax.jit(lambda k: jax.lax.scan(step, k, None, 4)[0])
+    text = program.lower(jnp.ones((3, 3, 4, 4))).compile().as_text()
+    return set(re.findall(r" convolution\(.*?dim_labels=(\S+?),", text))
+
+
+def test_conv3x3_same_gradient_in_a_loop_keeps_xlas_fast_form():
+    """Inside a loop XLA:CPU leaves JAX's own convolution gradient in other dimension orders,
+    which it computes many times slower; `conv3x3_same`'s gradient stays in the form its
+    runtime calls Eigen for. The plain convolution is the control."""
+    assert compiled_convolution_forms(conv3x3_same) == {"b01f_01io->b01f"}
+
+    def plain(x, kernel):
+        dimensions = ("NHWC", "HWIO", "NHWC")
+        return jax.lax.conv_general_dilated(x, kernel, (1, 1), "SAME", dimension_numbers=dimensions)
+
+    assert compiled_convolution_forms(plain) - {"b01f_01io->b01f"}
 
 
 def test_conv3x3_unknown_method():

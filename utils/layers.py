@@ -26,12 +26,10 @@ class Conv3x3(nn.Module):
     choice of how XLA computes it (`method`):
 
     - "matmul" (the default) writes the convolution as nine shifted copies of the input and
-      one matmul. XLA:CPU is fast at it everywhere. Its own convolution is slow in two places:
-      with vmapped parameters (several seeds in one program) JAX makes it a grouped
-      convolution; and its gradient inside a loop (`lax.scan`) is far slower than the matmul
-      form's.
-    - "xla" calls XLA's convolution, faster for a forward pass with unbatched parameters, so
-      only for acting, with one seed.
+      one matmul. XLA:CPU is fast at it everywhere. Its own convolution is slow with vmapped
+      parameters (several seeds in one program), where JAX makes it a grouped convolution.
+    - "xla" calls XLA's convolution (`conv3x3_same`), faster with unbatched parameters (one
+      seed), for a forward pass and an SGD step.
     - "dense" multiplies the flattened board by one [height*width*channels, height*width*
       features] matrix gathered from the kernel. On a board of at most 3x3 every output sees
       the whole board, so this is the convolution's own arithmetic in one matmul: faster than
@@ -74,14 +72,44 @@ class Conv3x3(nn.Module):
         if self.method != "xla":
             raise ValueError(f"Conv3x3 method must be matmul, dense or xla, got {self.method!r}")
         batch_shape = x.shape[:-3]
-        y = jax.lax.conv_general_dilated(
-            x.reshape(-1, *x.shape[-3:]),
-            kernel,
-            window_strides=(1, 1),
-            padding="SAME",
-            dimension_numbers=("NHWC", "HWIO", "NHWC"),
-        )
+        y = conv3x3_same(x.reshape(-1, *x.shape[-3:]), kernel)
         return y.reshape(*batch_shape, *y.shape[1:]) + bias
+
+
+_NHWC = ("NHWC", "HWIO", "NHWC")  # XLA:CPU's own fast form: its runtime calls Eigen for it
+
+
+@jax.custom_vjp
+def conv3x3_same(x, kernel):
+    """XLA's convolution of x [N, H, W, C] with kernel [3, 3, C, F], 'SAME' padding -> [N, H,
+    W, F], whose gradient is two more convolutions of the same form. JAX's own gradient writes
+    them in other dimension orders; outside a loop XLA:CPU transposes them back to the form
+    its runtime computes fast, inside one (SGD steps in a `lax.scan`) it does not and runs
+    them many times slower (docs/benchmarks.md, "Convolutions on XLA:CPU")."""
+    return jax.lax.conv_general_dilated(x, kernel, (1, 1), "SAME", dimension_numbers=_NHWC)
+
+
+def _conv3x3_forward(x, kernel):
+    return conv3x3_same(x, kernel), (x, kernel)
+
+
+def _conv3x3_backward(residuals, dy):
+    x, kernel = residuals
+    # d/dx: dy convolved with the kernel turned 180 degrees, its channel axes swapped
+    dx = conv3x3_same(dy, jnp.flip(kernel, (0, 1)).transpose(0, 1, 3, 2))
+    # d/dkernel: a convolution over the batch, with x's channels as its batch ([C, H, W,
+    # N]) and dy as its [H, W, N, F] kernel, over x padded by one on each side -> [C, 3, 3, F]
+    dkernel = jax.lax.conv_general_dilated(
+        x.transpose(3, 1, 2, 0),
+        dy.transpose(1, 2, 0, 3),
+        (1, 1),
+        [(1, 1), (1, 1)],
+        dimension_numbers=_NHWC,
+    )
+    return dx, dkernel.transpose(1, 2, 0, 3)
+
+
+conv3x3_same.defvjp(_conv3x3_forward, _conv3x3_backward)
 
 
 def dense_tap_index(height: int, width: int) -> np.ndarray:
