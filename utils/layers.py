@@ -85,7 +85,8 @@ def conv3x3_same(x, kernel):
     W, F], whose gradient is two more convolutions of the same form. JAX's own gradient writes
     them in other dimension orders; outside a loop XLA:CPU transposes them back to the form
     its runtime computes fast, inside one (SGD steps in a `lax.scan`) it does not and runs
-    them many times slower (docs/benchmarks.md, "Convolutions on XLA:CPU")."""
+    them many times slower (docs/benchmarks.md, "Convolutions on XLA:CPU"). Reverse mode only,
+    as any `jax.custom_vjp`: `jax.jvp` through it raises."""
     return jax.lax.conv_general_dilated(x, kernel, (1, 1), "SAME", dimension_numbers=_NHWC)
 
 
