@@ -155,7 +155,8 @@ def load_agent(spec: RunSpec, trainer, flag: str) -> Agent:
         )
     state = jax.tree.map(lambda x: x[0, run], state)  # device 0 (all devices hold the same)
     env = pgx.make(game)
-    network, _ = trainer.make_networks(config, env, one_run=True)
+    on_cpu = jax.default_backend() == "cpu"  # only the search network plays
+    network, _ = trainer.make_networks(config, env, one_run=True, on_cpu=on_cpu)
     variables = trainer.variables_of(state, config.batch_norm)
     return Agent(spec, config, game, run, num_runs, update, variables, state.hparams, env, network)
 
