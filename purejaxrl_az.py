@@ -1440,12 +1440,13 @@ def make_train(config: Config, runtime: Runtime | None = None) -> Trainer:
         action_permutations(game, num_actions) if config.augment else np.arange(num_actions)[None]
     )
     oracle_table = jax.device_put(solve_tic_tac_toe()) if game == "tic_tac_toe" else None
+    on_cpu = runtime.backend == "cpu"
     network, learner = make_networks(
         config,
         env,
         one_run=runtime.num_runs == 1,
-        on_cpu=runtime.backend == "cpu",
-        one_core_each=runtime.backend == "cpu" and available_cores() <= jax.local_device_count(),
+        on_cpu=on_cpu,
+        one_core_each=on_cpu and available_cores() <= jax.local_device_count(),
     )
 
     search_fn = functools.partial(
